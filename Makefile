@@ -1,0 +1,36 @@
+# The README's commands. Each one creates/refreshes .venv, installs the package with its
+# compiled extension (lightning_amp._C), then runs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# CPU machines take the local torch 2.13.0 CPU wheel; a machine that already has a torch in
+# .venv (e.g. a CUDA build on a GPU machine) keeps it.
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.lightning-amp-installed
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h csrc/cuda/*.cpp)
+PYTEST_ARGS ?=
+
+.PHONY: install test bench docs clean
+
+install: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q setuptools wheel pybind11 ninja
+	# --no-build-isolation: build against the torch in .venv, never pull another torch build.
+	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
+	$(PY) -c "import lightning_amp.ops as o; print('lightning_amp backend:', o.backend('cpu'))"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: install
+	$(VENV)/bin/lightning-amp bench --out bench-out
+
+docs: install
+	$(VENV)/bin/mkdocs build --strict
+
+clean:
+	rm -rf build *.egg-info lightning_amp/*.so $(STAMP)
