@@ -15,6 +15,7 @@ Conventions shared by all ops:
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from typing import Optional, Sequence
@@ -32,9 +33,7 @@ def _load_extension():
         _EXT_ERROR = "disabled by LIGHTNING_AMP_DISABLE_EXT=1"
         return
     try:
-        from lightning_amp import _C  # noqa: PLC0415  (compiled extension)
-
-        _EXT = _C
+        _EXT = importlib.import_module("lightning_amp._C")
     except ImportError as err:  # the package must keep working without the build
         _EXT_ERROR = str(err)
         warnings.warn(
@@ -193,3 +192,392 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> 
         return total, (each if per_tensor else None)
     each = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
     return torch.linalg.vector_norm(each), (each if per_tensor else None)
+
+
+# --------------------------------------------------------------------------------------
+# Fused optimizer updates (one call per param group and dtype over lists of tensors)
+#
+# Shared conventions: ``steps`` are per-tensor 0-dim float32 step counters that the op
+# increments itself; ``grad_scale`` (0-dim fp32) divides the grads in the kernel;
+# ``found_inf`` (0-dim fp32) non-zero means the op changes NOTHING (params, state, steps,
+# model copies). ``model_copies`` (optional, 16-bit) receive the updated fp32 ``params``
+# rounded to their dtype in the same pass (fp32 master weights + half model copy).
+# All math is fp32; state tensors have the dtype of their param.
+# --------------------------------------------------------------------------------------
+
+_OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_scalar_tensor(op: str, name: str, t: Optional[Tensor], device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: {name} must be a 0-dim float32 tensor or None, got {type(t).__name__}")
+    if t.numel() != 1 or t.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} must be a one-element float32 tensor, got shape {tuple(t.shape)} {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device} but the params are on {device}")
+
+
+def _check_optim_args(
+    op: str,
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state: dict,
+    steps: Optional[Sequence[Tensor]],
+    grad_scale: Optional[Tensor],
+    found_inf: Optional[Tensor],
+    model_copies: Optional[Sequence[Tensor]],
+) -> None:
+    """Raise TypeError/ValueError naming the list and index of the first bad tensor."""
+    n = len(params)
+    lists = {"grads": grads, **state}
+    if steps is not None:
+        lists["steps"] = steps
+    if model_copies is not None:
+        lists["model_copies"] = model_copies
+    for name, lst in lists.items():
+        if len(lst) != n:
+            raise ValueError(f"{op}: {name} has {len(lst)} tensors but params has {n}; all lists must have equal length")
+    if n == 0:
+        return
+    device = params[0].device
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"{op}: params[{i}] is not a tensor")
+        if p.dtype not in _OPT_DTYPES:
+            raise TypeError(f"{op}: params[{i}] must be float32/float16/bfloat16, got {p.dtype}")
+        if p.device != device:
+            raise ValueError(f"{op}: params[{i}] is on {p.device} but params[0] is on {device}; one call per device")
+        if not p.is_contiguous():
+            raise ValueError(f"{op}: params[{i}] must be contiguous (updated in place)")
+        g = grads[i]
+        if not isinstance(g, Tensor) or g.dtype not in _OPT_DTYPES:
+            raise TypeError(f"{op}: grads[{i}] must be a float32/float16/bfloat16 tensor, got {getattr(g, 'dtype', type(g))}")
+        if g.dtype != grads[0].dtype:
+            raise TypeError(f"{op}: grads must share one dtype, grads[{i}] is {g.dtype} but grads[0] is {grads[0].dtype}")
+        if g.shape != p.shape or g.device != device:
+            raise ValueError(
+                f"{op}: grads[{i}] {tuple(g.shape)}@{g.device} does not match params[{i}] {tuple(p.shape)}@{device}"
+            )
+        for name, lst in state.items():
+            s = lst[i]
+            if not isinstance(s, Tensor):
+                raise TypeError(f"{op}: {name}[{i}] is not a tensor")
+            if s.dtype != p.dtype:
+                raise TypeError(f"{op}: {name}[{i}] must have its param's dtype {p.dtype}, got {s.dtype}")
+            if s.shape != p.shape or s.device != device:
+                raise ValueError(
+                    f"{op}: {name}[{i}] {tuple(s.shape)}@{s.device} does not match params[{i}] {tuple(p.shape)}@{device}"
+                )
+            if not s.is_contiguous():
+                raise ValueError(f"{op}: {name}[{i}] must be contiguous (updated in place)")
+        if steps is not None:
+            s = steps[i]
+            if not isinstance(s, Tensor) or s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
+                raise TypeError(f"{op}: steps[{i}] must be a one-element float32 tensor on {device}")
+        if model_copies is not None:
+            c = model_copies[i]
+            if p.dtype != torch.float32:
+                raise TypeError(f"{op}: with model_copies the params are fp32 masters, params[{i}] is {p.dtype}")
+            if not isinstance(c, Tensor) or c.dtype not in (torch.float16, torch.bfloat16):
+                raise TypeError(f"{op}: model_copies[{i}] must be float16/bfloat16, got {getattr(c, 'dtype', type(c))}")
+            if c.shape != p.shape or c.device != device or not c.is_contiguous():
+                raise ValueError(f"{op}: model_copies[{i}] must be contiguous and match params[{i}] {tuple(p.shape)}@{device}")
+    if len(set(p.dtype for p in params)) != 1:
+        raise TypeError(f"{op}: params must share one dtype, got {sorted(set(str(p.dtype) for p in params))}")
+    _check_scalar_tensor(op, "grad_scale", grad_scale, device)
+    _check_scalar_tensor(op, "found_inf", found_inf, device)
+
+
+def _skip(found_inf: Optional[Tensor]) -> bool:
+    return found_inf is not None and bool(found_inf.item() != 0)
+
+
+def _unscaled_fp32(grad: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
+    g = grad.float()
+    return g / grad_scale.reshape(()) if grad_scale is not None else g
+
+
+def _store(dst: Tensor, src_fp32: Tensor) -> None:
+    if dst.data_ptr() != src_fp32.data_ptr():
+        dst.copy_(src_fp32)
+
+
+def _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
+                   weight_decay, adam_w_mode, bias_correction, grad_scale, found_inf, model_copies) -> None:
+    if _skip(found_inf):
+        return
+    for i, p in enumerate(params):
+        g = _unscaled_fp32(grads[i], grad_scale)
+        steps[i].add_(1)
+        step = float(steps[i].item())
+        pf, m, v = p.float(), exp_avgs[i].float(), exp_avg_sqs[i].float()
+        if weight_decay != 0:
+            if adam_w_mode:
+                pf.mul_(1 - lr * weight_decay)
+            else:
+                g = g.add(pf, alpha=weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bc1 = 1 - beta1**step if bias_correction else 1.0
+        bc2_sqrt = (1 - beta2**step) ** 0.5 if bias_correction else 1.0
+        if max_exp_avg_sqs is not None:
+            vmax = max_exp_avg_sqs[i].float()
+            torch.maximum(vmax, v, out=vmax)
+            _store(max_exp_avg_sqs[i], vmax)
+            denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
+        else:
+            denom = (v.sqrt() / bc2_sqrt).add_(eps)
+        pf.addcdiv_(m, denom, value=-lr / bc1)
+        _store(p, pf)
+        _store(exp_avgs[i], m)
+        _store(exp_avg_sqs[i], v)
+        if model_copies is not None:
+            model_copies[i].copy_(pf)
+
+
+def multi_tensor_adam(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    max_exp_avg_sqs: Optional[Sequence[Tensor]] = None,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    model_copies: Optional[Sequence[Tensor]] = None,
+) -> None:
+    """One Adam/AdamW step over lists of tensors, in place (torch.optim.Adam/AdamW semantics).
+
+    ``adam_w_mode``: decoupled weight decay ``p *= 1 - lr * weight_decay`` (AdamW) instead of
+    the L2 term ``g += weight_decay * p`` (Adam). ``max_exp_avg_sqs`` given = AMSGrad.
+    """
+    state = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if max_exp_avg_sqs is not None:
+        state["max_exp_avg_sqs"] = max_exp_avg_sqs
+    _check_optim_args("multi_tensor_adam", params, grads, state, steps, grad_scale, found_inf, model_copies)
+    if not params:
+        return
+    ext = _ext_for(params[0].device)
+    if ext is not None and hasattr(ext, "multi_tensor_adam"):
+        ext.multi_tensor_adam(
+            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+            list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [], list(steps),
+            list(model_copies) if model_copies is not None else [],
+            float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adam_w_mode),
+            bool(bias_correction), grad_scale, found_inf,
+        )
+    else:
+        _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
+                       weight_decay, adam_w_mode, bias_correction, grad_scale, found_inf, model_copies)
+
+
+def _sgd_fallback(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, first_run,
+                  grad_scale, found_inf, model_copies) -> None:
+    if _skip(found_inf):
+        return
+    for i, p in enumerate(params):
+        g = _unscaled_fp32(grads[i], grad_scale)
+        pf = p.float()
+        if weight_decay != 0:
+            g = g.add(pf, alpha=weight_decay)
+        if momentum != 0:
+            buf = momentum_buffers[i].float()
+            if first_run:
+                buf.copy_(g)
+            else:
+                buf.mul_(momentum).add_(g, alpha=1 - dampening)
+            _store(momentum_buffers[i], buf)
+            g = g.add(buf, alpha=momentum) if nesterov else buf
+        pf.add_(g, alpha=-lr)
+        _store(p, pf)
+        if model_copies is not None:
+            model_copies[i].copy_(pf)
+
+
+def multi_tensor_sgd(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Optional[Sequence[Tensor]],
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    first_run: bool = False,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    model_copies: Optional[Sequence[Tensor]] = None,
+) -> None:
+    """One SGD step in place (torch.optim.SGD semantics). ``momentum_buffers`` are required when
+    ``momentum != 0``; ``first_run`` means they are initialised to the (decayed) gradient."""
+    state = {}
+    if momentum != 0:
+        if momentum_buffers is None:
+            raise ValueError("multi_tensor_sgd: momentum_buffers are required when momentum != 0")
+        state["momentum_buffers"] = momentum_buffers
+    _check_optim_args("multi_tensor_sgd", params, grads, state, None, grad_scale, found_inf, model_copies)
+    if not params:
+        return
+    ext = _ext_for(params[0].device)
+    if ext is not None and hasattr(ext, "multi_tensor_sgd"):
+        ext.multi_tensor_sgd(
+            list(params), list(grads), list(momentum_buffers) if momentum != 0 else [],
+            list(model_copies) if model_copies is not None else [],
+            float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run),
+            grad_scale, found_inf,
+        )
+    else:
+        _sgd_fallback(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, first_run,
+                      grad_scale, found_inf, model_copies)
+
+
+def _adadelta_fallback(params, grads, square_avgs, acc_deltas, steps, lr, rho, eps, weight_decay, grad_scale,
+                       found_inf, model_copies) -> None:
+    if _skip(found_inf):
+        return
+    for i, p in enumerate(params):
+        g = _unscaled_fp32(grads[i], grad_scale)
+        steps[i].add_(1)
+        pf, sq, acc = p.float(), square_avgs[i].float(), acc_deltas[i].float()
+        if weight_decay != 0:
+            g = g.add(pf, alpha=weight_decay)
+        sq.mul_(rho).addcmul_(g, g, value=1 - rho)
+        std = sq.add(eps).sqrt_()
+        delta = acc.add(eps).sqrt_().div_(std).mul_(g)
+        acc.mul_(rho).addcmul_(delta, delta, value=1 - rho)
+        pf.add_(delta, alpha=-lr)
+        _store(p, pf)
+        _store(square_avgs[i], sq)
+        _store(acc_deltas[i], acc)
+        if model_copies is not None:
+            model_copies[i].copy_(pf)
+
+
+def multi_tensor_adadelta(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    square_avgs: Sequence[Tensor],
+    acc_deltas: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float,
+    rho: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    model_copies: Optional[Sequence[Tensor]] = None,
+) -> None:
+    """One Adadelta step in place (torch.optim.Adadelta semantics)."""
+    state = {"square_avgs": square_avgs, "acc_deltas": acc_deltas}
+    _check_optim_args("multi_tensor_adadelta", params, grads, state, steps, grad_scale, found_inf, model_copies)
+    if not params:
+        return
+    ext = _ext_for(params[0].device)
+    if ext is not None and hasattr(ext, "multi_tensor_adadelta"):
+        ext.multi_tensor_adadelta(
+            list(params), list(grads), list(square_avgs), list(acc_deltas), list(steps),
+            list(model_copies) if model_copies is not None else [],
+            float(lr), float(rho), float(eps), float(weight_decay), grad_scale, found_inf,
+        )
+    else:
+        _adadelta_fallback(params, grads, square_avgs, acc_deltas, steps, lr, rho, eps, weight_decay, grad_scale,
+                           found_inf, model_copies)
+
+
+def _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
+                   bias_correction, grad_averaging, adam_w_mode, global_grad_norm, max_grad_norm, use_nvlamb,
+                   grad_scale, found_inf, model_copies) -> None:
+    if _skip(found_inf):
+        return
+    gnorm = float(global_grad_norm.item())
+    clip = gnorm / max_grad_norm if (max_grad_norm > 0 and gnorm > max_grad_norm) else 1.0
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    for i, p in enumerate(params):
+        g = _unscaled_fp32(grads[i], grad_scale) / clip
+        steps[i].add_(1)
+        step = float(steps[i].item())
+        bc1 = 1 - beta1**step if bias_correction else 1.0
+        bc2 = 1 - beta2**step if bias_correction else 1.0
+        pf, m, v = p.float(), exp_avgs[i].float(), exp_avg_sqs[i].float()
+        if weight_decay != 0 and not adam_w_mode:
+            g = g.add(pf, alpha=weight_decay)
+        m.mul_(beta1).add_(g, alpha=beta3)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+        if weight_decay != 0 and adam_w_mode:
+            update.add_(pf, alpha=weight_decay)
+        ratio = lr
+        if weight_decay != 0 or use_nvlamb:
+            p_norm = float(torch.linalg.vector_norm(pf))
+            u_norm = float(torch.linalg.vector_norm(update))
+            if p_norm != 0 and u_norm != 0:
+                ratio = lr * (p_norm / u_norm)
+        pf.add_(update, alpha=-ratio)
+        _store(p, pf)
+        _store(exp_avgs[i], m)
+        _store(exp_avg_sqs[i], v)
+        if model_copies is not None:
+            model_copies[i].copy_(pf)
+
+
+def multi_tensor_lamb(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    global_grad_norm: Tensor,
+    max_grad_norm: float = 1.0,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    adam_w_mode: bool = True,
+    use_nvlamb: bool = False,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    model_copies: Optional[Sequence[Tensor]] = None,
+) -> None:
+    """One LAMB step in place with apex FusedLAMB semantics.
+
+    ``global_grad_norm`` (0-dim fp32) is the L2 norm of all *unscaled* grads of the optimizer;
+    grads are divided by ``global_grad_norm / max_grad_norm`` when it exceeds ``max_grad_norm``
+    (``max_grad_norm <= 0`` disables clipping). The per-tensor trust ratio
+    ``||p|| / ||update||`` scales ``lr`` when ``weight_decay != 0`` or ``use_nvlamb``.
+    """
+    state = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    _check_optim_args("multi_tensor_lamb", params, grads, state, steps, grad_scale, found_inf, model_copies)
+    if not params:
+        return
+    if global_grad_norm is None:
+        raise TypeError("multi_tensor_lamb: global_grad_norm is required")
+    _check_scalar_tensor("multi_tensor_lamb", "global_grad_norm", global_grad_norm, params[0].device)
+    ext = _ext_for(params[0].device)
+    if ext is not None and hasattr(ext, "multi_tensor_lamb"):
+        ext.multi_tensor_lamb(
+            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
+            list(model_copies) if model_copies is not None else [],
+            float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction),
+            bool(grad_averaging), bool(adam_w_mode), global_grad_norm, float(max_grad_norm), bool(use_nvlamb),
+            grad_scale, found_inf,
+        )
+    else:
+        _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
+                       bias_correction, grad_averaging, adam_w_mode, global_grad_norm, max_grad_norm, use_nvlamb,
+                       grad_scale, found_inf, model_copies)

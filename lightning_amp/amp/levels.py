@@ -1,0 +1,223 @@
+"""Apex's optimisation levels O0-O3 as frozen property records, and their validation.
+
+Level defaults (apex's table; ``dtype`` is the *half* dtype the level computes in):
+
+======  ==========  ========  ===================  ==============  ==========  ==================
+level   cast_model  autocast  keep_batchnorm_fp32  master_weights  loss_scale  cast_model_outputs
+======  ==========  ========  ===================  ==============  ==========  ==================
+O0      False       False     False                False           1.0         None
+O1      False       True      False                False           "dynamic"   None
+O2      True        False     True                 True            "dynamic"   torch.float32
+O3      True        False     False                False           1.0         None
+======  ==========  ========  ===================  ==============  ==========  ==================
+
+Decisions where apex left room:
+
+* O0 is plain fp32: any valid ``dtype`` request (a half dtype, "auto", or float32) is accepted
+  and ``dtype`` becomes ``torch.float32``; an *unknown* dtype is still an error.
+* With bfloat16 the default loss scale is 1.0 (scaling off: bf16 has fp32's exponent range);
+  an explicit ``loss_scale`` (a number or "dynamic") is honoured.
+* O0 and O1 never cast the model, so ``master_weights=True`` or any explicit
+  ``keep_batchnorm_fp32`` (True or False) is a contradiction and raises, as apex did.
+  ``master_weights=False`` is accepted (it is the level's value).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Optional, Union
+
+import torch
+
+LossScaleSpec = Union[float, str]
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+
+_DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
+)
+_FP32_NAMES = ("float32", "fp32", "float")
+_ALLOWED_DTYPES = '"float16"/"fp16"/"half", "bfloat16"/"bf16", torch.float16, torch.bfloat16 or "auto"'
+_OUTPUT_DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType(
+    {**_DTYPE_NAMES, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+     "float64": torch.float64, "double": torch.float64}
+)
+
+
+@dataclass(frozen=True)
+class AmpProperties:
+    """The resolved, immutable properties of one opt level.
+
+    opt_level: "O0".."O3". dtype: the half dtype computed in (torch.float32 for O0).
+    cast_model: the model's floating params/buffers are cast to ``dtype`` in place.
+    autocast: forward runs under ``torch.autocast(dtype)`` plus the registered cast lists.
+    keep_batchnorm_fp32: BatchNorm layers stay fp32 when the model is cast.
+    master_weights: the optimizer steps on fp32 master copies of the (half) params.
+    loss_scale: a positive static scale, or "dynamic". cast_model_outputs: dtype the model's
+    floating outputs are cast to, or None to leave them alone.
+    """
+
+    opt_level: str
+    dtype: torch.dtype
+    cast_model: bool
+    autocast: bool
+    keep_batchnorm_fp32: bool
+    master_weights: bool
+    loss_scale: LossScaleSpec
+    cast_model_outputs: Optional[torch.dtype]
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """True when the loss scale adapts to overflows."""
+        return self.loss_scale == "dynamic"
+
+    @property
+    def scaling_enabled(self) -> bool:
+        """False when the loss is never multiplied (a static scale of exactly 1.0)."""
+        return self.dynamic_loss_scale or self.loss_scale != 1.0
+
+
+O0 = AmpProperties("O0", torch.float32, False, False, False, False, 1.0, None)
+O1 = AmpProperties("O1", torch.float16, False, True, False, False, "dynamic", None)
+O2 = AmpProperties("O2", torch.float16, True, False, True, True, "dynamic", torch.float32)
+O3 = AmpProperties("O3", torch.float16, True, False, False, False, 1.0, None)
+
+LEVEL_DEFAULTS: Mapping[str, AmpProperties] = MappingProxyType({"O0": O0, "O1": O1, "O2": O2, "O3": O3})
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], device_type: str = "cpu") -> torch.dtype:
+    """Map a user dtype request to torch.float16 or torch.bfloat16.
+
+    "auto" gives bfloat16 on CPU and on CUDA devices that support it, float16 elsewhere.
+    Raises ValueError naming ``dtype`` and the allowed values for anything else.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.float16, torch.bfloat16):
+            return dtype
+    elif isinstance(dtype, str):
+        key = dtype.strip().lower()
+        if key == "auto":
+            return _auto_dtype(device_type)
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+    raise ValueError(f"`dtype` must be one of {_ALLOWED_DTYPES}; got {dtype!r}")
+
+
+def _auto_dtype(device_type: str) -> torch.dtype:
+    if device_type == "cpu":
+        return torch.bfloat16
+    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float16
+
+
+def _is_fp32_request(dtype: object) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return dtype == torch.float32
+    return isinstance(dtype, str) and dtype.strip().lower() in _FP32_NAMES
+
+
+def _check_opt_level(opt_level: object) -> str:
+    if isinstance(opt_level, str) and opt_level.strip().upper() in LEVEL_DEFAULTS:
+        return opt_level.strip().upper()
+    hint = ""
+    if isinstance(opt_level, str) and opt_level.strip().startswith("0"):
+        hint = " (the prefix is the letter O, not the digit zero)"
+    raise ValueError(f"`opt_level` must be one of O0, O1, O2, O3{hint}; got {opt_level!r}")
+
+
+def check_loss_scale(loss_scale: object, name: str = "loss_scale") -> LossScaleSpec:
+    """Validate a loss-scale spec: "dynamic" or a positive finite number (returned as float)."""
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
+        return "dynamic"
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        value = float(loss_scale)
+        if value > 0 and math.isfinite(value):
+            return value
+    raise ValueError(f'`{name}` must be "dynamic" or a positive finite number; got {loss_scale!r}')
+
+
+def _check_optional_bool(value: object, name: str) -> Optional[bool]:
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"`{name}` must be True, False or None (the level's default); got {value!r}")
+
+
+def _check_output_dtype(value: object) -> Optional[torch.dtype]:
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return value
+    if isinstance(value, str) and value.strip().lower() in _OUTPUT_DTYPE_NAMES:
+        return _OUTPUT_DTYPE_NAMES[value.strip().lower()]
+    raise ValueError(
+        "`cast_model_outputs` must be None or a floating torch dtype (or its name, e.g. \"float32\"); "
+        f"got {value!r}"
+    )
+
+
+def resolve_properties(
+    opt_level: str,
+    dtype: Union[str, torch.dtype] = "auto",
+    loss_scale: Optional[LossScaleSpec] = None,
+    keep_batchnorm_fp32: Optional[bool] = None,
+    master_weights: Optional[bool] = None,
+    cast_model_outputs: Optional[torch.dtype] = None,
+    device_type: str = "cpu",
+) -> AmpProperties:
+    """Resolve one opt level's properties: level defaults, then explicit overrides.
+
+    ``None`` means "the level's default". Raises ValueError naming the offending argument
+    and its allowed values for unknown levels/dtypes, bad scales, and overrides that
+    contradict the level (O0/O1 with ``master_weights=True`` or ``keep_batchnorm_fp32`` set).
+    """
+    level = LEVEL_DEFAULTS[_check_opt_level(opt_level)]
+    keep_batchnorm_fp32 = _check_optional_bool(keep_batchnorm_fp32, "keep_batchnorm_fp32")
+    master_weights = _check_optional_bool(master_weights, "master_weights")
+    output_dtype = _check_output_dtype(cast_model_outputs)
+    explicit_scale = None if loss_scale is None else check_loss_scale(loss_scale)
+
+    if level.opt_level == "O0" and _is_fp32_request(dtype):
+        half = torch.float32
+    else:
+        half = resolve_dtype(dtype, device_type)
+
+    if not level.cast_model:
+        if master_weights:
+            raise ValueError(
+                f"`master_weights=True` is not allowed with opt_level {level.opt_level}: the model's weights "
+                "stay fp32 there, so they already are the master weights. Allowed: None or False "
+                "(use O2 for fp32 masters of a half model)."
+            )
+        if keep_batchnorm_fp32 is not None:
+            raise ValueError(
+                f"`keep_batchnorm_fp32` must be None with opt_level {level.opt_level}: the model is not cast, "
+                f"so BatchNorm already runs in fp32 (got {keep_batchnorm_fp32!r}). It applies to O2 and O3."
+            )
+
+    if level.opt_level == "O0":
+        half = torch.float32
+
+    if explicit_scale is not None:
+        scale = explicit_scale
+    elif half == torch.bfloat16:
+        scale = 1.0
+    else:
+        scale = level.loss_scale
+
+    return dataclasses.replace(
+        level,
+        dtype=half,
+        loss_scale=scale,
+        keep_batchnorm_fp32=level.keep_batchnorm_fp32 if keep_batchnorm_fp32 is None else keep_batchnorm_fp32,
+        master_weights=level.master_weights if master_weights is None else master_weights,
+        cast_model_outputs=level.cast_model_outputs if output_dtype is None else output_dtype,
+    )
