@@ -1,2 +1,16 @@
 """lightning-amp: Apex-style mixed precision, fused optimizers and fused tensor parallelism for Lightning."""
 __version__ = "0.1.0"
+
+from lightning_amp.amp.casts import (  # noqa: E402
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+from lightning_amp.amp.scaler import LossScaler  # noqa: E402
+from lightning_amp.optimizers import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD  # noqa: E402
+from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from lightning_amp.parallel.strategy import TensorParallelStrategy  # noqa: E402  (registers "tp_fused")
+from lightning_amp.precision import AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, AmpPrecision, main_params  # noqa: E402

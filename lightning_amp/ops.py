@@ -12,6 +12,9 @@ Conventions shared by all ops:
   that the caller would need to roll back; ops that *consume* it leave every output
   untouched when it is non-zero.
 * ``grad_scale`` is the loss scale the gradients were multiplied by (the op divides by it).
+
+The pure-PyTorch implementations are also reachable as private functions
+(``_wgrad_fallback``, ``_scale_fallback``, ``_l2norm_fallback``) so tests can compare both.
 """
 from __future__ import annotations
 
@@ -110,12 +113,14 @@ def _check_wgrad_args(input: Tensor, grad_output: Tensor, main_grad: Tensor, mai
 
 
 def _wgrad_fallback(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
+    """Pure-PyTorch ``main_grad += grad_output^T @ input``: upcasts both operands and builds
+    the full fp32 product (a temporary of main_grad's size), then adds it; a 16-bit main_grad
+    is rounded once (the add runs in fp32)."""
     inp = input.reshape(-1, input.shape[-1])
     gout = grad_output.reshape(-1, grad_output.shape[-1])
-    if inp.numel() == 0:
+    if inp.numel() == 0 or gout.numel() == 0:
         return
-    # fp32 math: half operands are upcast so the sum is accumulated in fp32.
-    main_grad.add_((gout.float().t() @ inp.float()).to(main_grad.dtype))
+    main_grad.add_(gout.float().t() @ inp.float())
 
 
 def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
@@ -123,6 +128,13 @@ def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor)
 
     ``input`` and ``grad_output`` are fp32/fp16/bf16 with identical leading dims (flattened);
     ``main_grad`` is a contiguous fp32 ``[out, in]`` buffer.
+
+    Backends: CUDA ``cublasGemmEx`` with beta = 1 into ``main_grad`` (CUBLAS_COMPUTE_32F).
+    CPU: fp32 operands via ``addmm_`` (sgemm, beta = 1); 16-bit operands via MKL's
+    ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32`` (beta = 1) on CPUs with AMX, else
+    by upcasting blocks of token rows to fp32 and ``addmm_`` (faster there; temporaries of a
+    few MiB). No path materialises the full product. The fallback (no extension) builds the
+    fp32 product and adds it.
     """
     _check_wgrad_args(input, grad_output, main_grad, (torch.float32,))
     ext = _ext_for(main_grad.device)
@@ -133,7 +145,12 @@ def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor)
 
 
 def wgrad_gemm_accum_fp16(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
-    """As :func:`wgrad_gemm_accum_fp32` for a 16-bit ``main_grad`` (fp16/bf16), computed in fp32."""
+    """As :func:`wgrad_gemm_accum_fp32` for a 16-bit ``main_grad`` (fp16/bf16), computed in fp32.
+
+    Each element of ``main_grad`` is rounded once: CPU accumulates row tiles of main_grad in an
+    fp32 scratch tile (16 MiB at most) and rounds it back; CUDA lets cuBLAS write the 16-bit C
+    (fp32 compute) when the operands share main_grad's dtype, else uses an fp32 copy.
+    """
     _check_wgrad_args(input, grad_output, main_grad, (torch.float16, torch.bfloat16))
     ext = _ext_for(main_grad.device)
     if ext is not None and hasattr(ext, "wgrad_gemm_accum_fp16"):
@@ -164,6 +181,8 @@ def multi_tensor_scale(
     if len(src) != len(dst):
         raise ValueError(f"multi_tensor_scale: src and dst must have equal length, got {len(src)} and {len(dst)}")
     for i, (s, d) in enumerate(zip(src, dst)):
+        if not (s.is_floating_point() and d.is_floating_point()):
+            raise TypeError(f"multi_tensor_scale: tensor {i}: src ({s.dtype}) and dst ({d.dtype}) must be floating point")
         if s.shape != d.shape or s.device != d.device:
             raise ValueError(
                 f"multi_tensor_scale: tensor {i}: src {tuple(s.shape)}@{s.device} != dst {tuple(d.shape)}@{d.device}"
@@ -172,14 +191,28 @@ def multi_tensor_scale(
     if not src:
         return found_inf, (torch.zeros(0) if per_tensor else None)
     ext = _ext_for(src[0].device)
-    if ext is not None and hasattr(ext, "multi_tensor_scale"):
+    if ext is not None and hasattr(ext, "multi_tensor_scale") and _ext_accepts(src) and _ext_accepts(dst):
         flags = ext.multi_tensor_scale(list(src), list(dst), float(scale), found_inf)
         return found_inf, (flags if per_tensor else None)
+    flags = _scale_fallback(src, dst, scale, found_inf)
+    return found_inf, (flags if per_tensor else None)
+
+
+_EXT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _ext_accepts(tensors: Sequence[Tensor]) -> bool:
+    """The multi-tensor kernels take contiguous fp32/fp16/bf16 tensors; others use the fallback."""
+    return all(t.dtype in _EXT_DTYPES and t.is_contiguous() for t in tensors)
+
+
+def _scale_fallback(src: Sequence[Tensor], dst: Sequence[Tensor], scale: float, found_inf: Tensor) -> Tensor:
+    """Pure-PyTorch multi_tensor_scale: returns the per-tensor flags, ORs them into found_inf."""
     flags = torch.stack([(~torch.isfinite(s)).any() for s in src]).float()
-    found_inf.copy_(flags.max())
+    found_inf.copy_(torch.maximum(found_inf, flags.max().to(found_inf.device)))
     for s, d in zip(src, dst):
         d.copy_(s.float().mul(scale) if s.dtype != d.dtype else s.mul(scale))
-    return found_inf, (flags if per_tensor else None)
+    return flags
 
 
 def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> tuple[Tensor, Optional[Tensor]]:
@@ -187,11 +220,17 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> 
     if not tensors:
         return torch.zeros((), dtype=torch.float32), (torch.zeros(0) if per_tensor else None)
     ext = _ext_for(tensors[0].device)
-    if ext is not None and hasattr(ext, "multi_tensor_l2norm"):
+    if ext is not None and hasattr(ext, "multi_tensor_l2norm") and _ext_accepts(tensors):
         total, each = ext.multi_tensor_l2norm(list(tensors), per_tensor)
-        return total, (each if per_tensor else None)
+    else:
+        total, each = _l2norm_fallback(tensors)
+    return total, (each if per_tensor else None)
+
+
+def _l2norm_fallback(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Pure-PyTorch multi_tensor_l2norm: (global norm, per-tensor norms), fp32."""
     each = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
-    return torch.linalg.vector_norm(each), (each if per_tensor else None)
+    return torch.linalg.vector_norm(each), each
 
 
 # --------------------------------------------------------------------------------------

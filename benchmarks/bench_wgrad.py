@@ -1,0 +1,106 @@
+"""Micro-benchmark: fused weight-gradient accumulation vs the unfused PyTorch expressions.
+
+For Megatron-like shapes (tokens x in -> out), times in one run:
+  fused      ops.wgrad_gemm_accum_fp32(x, g, main_grad)        (bf16 operands, fp32 accumulate)
+  unfused    main_grad.add_((g.t() @ x).float())               (bf16 GEMM, rounds dW to bf16, then adds)
+  fp32 addmm main_grad.addmm_(g32.t(), x32)                    (fp32 operands, the fp32 baseline)
+and prints the fused/unfused and fused/fp32 time ratios (lower is better for the fused op).
+On CPU the fused op picks its 16-bit GEMM path itself (MKL's bf16 GEMM where the CPU has
+AMX, else fp32 upcast of token blocks + sgemm); the other path is timed too ("alt").
+
+Run: .venv/bin/python benchmarks/bench_wgrad.py [--repeat N] [--device cpu|cuda]
+Timings are medians of N round-robin repeats after a warm-up round; ratios are only
+comparable within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from lightning_amp import ops
+
+SHAPES = [  # (tokens, in features, out features)
+    (4096, 1024, 4096),  # MLP up-projection, hidden 1024
+    (4096, 4096, 1024),  # MLP down-projection
+    (2048, 1024, 3072),  # fused QKV
+]
+
+
+def _interleaved_medians(fns: dict, repeat: int, device: str) -> dict:
+    """Median seconds of each callable, timed round-robin (A B C A B C ...) after one warm-up
+    round, so load from other processes on a shared machine hits every variant alike."""
+
+    def timed(fn):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _with_policy(ext, policy, fn):
+    def run():
+        ext._set_wgrad_cpu_gemm_policy(policy)
+        try:
+            fn()
+        finally:
+            ext._set_wgrad_cpu_gemm_policy("auto")
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    dev = args.device
+    ext = ops._ext_for(dev)
+    cpu_hooks = dev == "cpu" and ext is not None
+    chosen = ext._wgrad_cpu_gemm_backend("bfloat16") if cpu_hooks else "cublas" if ext is not None else "torch"
+    alt = {"mkl": "aten", "aten": "mkl"}.get(chosen)
+    if alt == "mkl" and not ext._wgrad_cpu_has_mkl_gemm("bfloat16"):
+        alt = None
+    print(f"backend={ops.backend(dev)} bf16 gemm path={chosen} (alt={alt}) torch={torch.__version__} "
+          f"threads={torch.get_num_threads()} device={dev}")
+    header = (f"{'tokens x in -> out':>22} | {'fused ms':>9} | {'alt ms':>8} | {'unfused ms':>10} | {'fp32 ms':>8} | "
+              f"{'fused/unfused':>13} | {'fused/fp32':>10} | {'fused GFLOP/s':>13}")
+    print(header)
+    print("-" * len(header))
+    gen = torch.Generator().manual_seed(0)
+    for tokens, n_in, n_out in SHAPES:
+        x = torch.randn(tokens, n_in, generator=gen).bfloat16().to(dev)
+        g = torch.randn(tokens, n_out, generator=gen).bfloat16().to(dev)
+        x32, g32 = x.float(), g.float()
+        main_grad = torch.zeros(n_out, n_in, device=dev)
+        variants = {
+            "fused": lambda: ops.wgrad_gemm_accum_fp32(x, g, main_grad),
+            "unfused": lambda: main_grad.add_((g.t() @ x).float()),
+            "fp32": lambda: main_grad.addmm_(g32.t(), x32),
+        }
+        if alt is not None:
+            variants["alt"] = _with_policy(ext, alt, variants["fused"])
+        t = _interleaved_medians(variants, args.repeat, dev)
+        fused, unfused, fp32, alt_s = t["fused"], t["unfused"], t["fp32"], t.get("alt", float("nan"))
+        gflops = 2.0 * tokens * n_in * n_out / fused / 1e9
+        print(
+            f"{f'{tokens} x {n_in} -> {n_out}':>22} | {fused * 1e3:9.2f} | {alt_s * 1e3:8.2f} | {unfused * 1e3:10.2f} | {fp32 * 1e3:8.2f} | "
+            f"{fused / unfused:13.2f} | {fused / fp32:10.2f} | {gflops:13.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

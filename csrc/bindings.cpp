@@ -1,0 +1,192 @@
+// lightning_amp._C: the one pybind11 module of the compiled core.
+//
+// Entry points here check every argument (dtype, device, shape, contiguity) with messages
+// naming the op and the argument, then dispatch by device to the kernels declared in
+// kernels.h (CPU always, CUDA when built WITH_CUDA). Python code reaches this module only
+// through lightning_amp/ops.py.
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "checks.h"
+#include "kernels.h"
+
+// ==== BEGIN fused-optimizer declarations (owned by the fused-optimizers helper) ====
+// Declare the optimizer entry points defined in your own csrc/cpu/*.cpp / csrc/cuda/*.cu here.
+#include "optim.h"  // checked entry points, defined in csrc/optim_entry.cpp
+// ==== END fused-optimizer declarations ====
+
+namespace lamp {
+namespace {
+
+// Flattens t[..., features] to a 2-D contiguous [rows, features] matrix.
+at::Tensor as_rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}).contiguous(); }
+
+void check_wgrad(const char* op, const at::Tensor& input, const at::Tensor& grad_output, const at::Tensor& main_grad) {
+  LAMP_CHECK_FLOAT_LIKE(op, "input", input);
+  LAMP_CHECK_FLOAT_LIKE(op, "grad_output", grad_output);
+  TORCH_CHECK_TYPE(input.scalar_type() == grad_output.scalar_type(), op, ": input (", input.scalar_type(),
+                   ") and grad_output (", grad_output.scalar_type(), ") must share a dtype");
+  LAMP_CHECK_SAME_DEVICE(op, "input", input, "main_grad", main_grad);
+  LAMP_CHECK_SAME_DEVICE(op, "grad_output", grad_output, "main_grad", main_grad);
+  TORCH_CHECK_VALUE(main_grad.dim() == 2, op, ": main_grad must be 2-D [out, in], got shape ", main_grad.sizes());
+  TORCH_CHECK_VALUE(input.dim() >= 1 && grad_output.dim() >= 1, op, ": input and grad_output need at least 1 dim");
+  TORCH_CHECK_VALUE(input.sizes().slice(0, input.dim() - 1) == grad_output.sizes().slice(0, grad_output.dim() - 1),
+                    op, ": input [..., in] and grad_output [..., out] must share leading dims, got ", input.sizes(),
+                    " and ", grad_output.sizes());
+  TORCH_CHECK_VALUE(main_grad.size(0) == grad_output.size(-1) && main_grad.size(1) == input.size(-1), op,
+                    ": main_grad shape ", main_grad.sizes(), " != [out, in] = [", grad_output.size(-1), ", ",
+                    input.size(-1), "]");
+  LAMP_CHECK_CONTIGUOUS(op, "main_grad", main_grad);
+}
+
+void wgrad_dispatch(const at::Tensor& input, const at::Tensor& grad_output, at::Tensor& main_grad) {
+  const at::Tensor x = as_rows(input);
+  const at::Tensor g = as_rows(grad_output);
+  if (main_grad.is_cpu()) {
+    cpu::wgrad_gemm_accum(x, g, main_grad);
+    return;
+  }
+#ifdef WITH_CUDA
+  if (main_grad.is_cuda()) {
+    cuda::wgrad_gemm_accum(x, g, main_grad);
+    return;
+  }
+#endif
+  TORCH_CHECK_VALUE(false, "wgrad_gemm_accum: no kernel for device ", main_grad.device());
+}
+
+void wgrad_gemm_accum_fp32(const at::Tensor& input, const at::Tensor& grad_output, at::Tensor& main_grad) {
+  const char* op = "wgrad_gemm_accum_fp32";
+  check_wgrad(op, input, grad_output, main_grad);
+  LAMP_CHECK_DTYPE(op, "main_grad", main_grad, at::kFloat);
+  wgrad_dispatch(input, grad_output, main_grad);
+}
+
+void wgrad_gemm_accum_fp16(const at::Tensor& input, const at::Tensor& grad_output, at::Tensor& main_grad) {
+  const char* op = "wgrad_gemm_accum_fp16";
+  check_wgrad(op, input, grad_output, main_grad);
+  TORCH_CHECK_TYPE(is_half_like(main_grad.scalar_type()), op, ": main_grad must be float16 or bfloat16, got ",
+                   main_grad.scalar_type());
+  wgrad_dispatch(input, grad_output, main_grad);
+}
+
+// Common checks of a tensor list: float-like dtypes, contiguous, all on `device`.
+void check_list(const char* op, const char* name, const std::vector<at::Tensor>& ts, const at::Device& device) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    const std::string what = std::string(name) + "[" + std::to_string(i) + "]";
+    LAMP_CHECK_FLOAT_LIKE(op, what, t);
+    TORCH_CHECK_VALUE(t.device() == device, op, ": ", what, " is on ", t.device(), " but ", name, "[0] is on ",
+                      device, " (all tensors must share one device)");
+    LAMP_CHECK_CONTIGUOUS(op, what, t);
+  }
+}
+
+at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale,
+                              at::Tensor found_inf) {
+  const char* op = "multi_tensor_scale";
+  TORCH_CHECK_VALUE(src.size() == dst.size(), op, ": src and dst must have equal length, got ", src.size(), " and ",
+                    dst.size());
+  const at::Device device = src.empty() ? found_inf.device() : src[0].device();
+  check_list(op, "src", src, device);
+  check_list(op, "dst", dst, device);
+  for (size_t i = 0; i < src.size(); ++i) {
+    TORCH_CHECK_VALUE(src[i].sizes() == dst[i].sizes(), op, ": src[", i, "] shape ", src[i].sizes(), " != dst[", i,
+                      "] shape ", dst[i].sizes());
+  }
+  LAMP_CHECK_DTYPE(op, "found_inf", found_inf, at::kFloat);
+  TORCH_CHECK_VALUE(found_inf.numel() == 1, op, ": found_inf must hold one element, got shape ", found_inf.sizes());
+  TORCH_CHECK_VALUE(found_inf.device() == device, op, ": found_inf is on ", found_inf.device(),
+                    " but the tensors are on ", device);
+  if (device.is_cpu()) return cpu::multi_tensor_scale(src, dst, scale, found_inf);
+#ifdef WITH_CUDA
+  if (device.is_cuda()) return cuda::multi_tensor_scale(src, dst, scale, found_inf);
+#endif
+  TORCH_CHECK_VALUE(false, op, ": no kernel for device ", device);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors, bool per_tensor) {
+  (void)per_tensor;  // per-tensor norms come for free from the same pass; always returned
+  const char* op = "multi_tensor_l2norm";
+  if (tensors.empty()) {
+    return {at::zeros({}, at::TensorOptions().dtype(at::kFloat)), at::zeros({0}, at::TensorOptions().dtype(at::kFloat))};
+  }
+  const at::Device device = tensors[0].device();
+  check_list(op, "tensors", tensors, device);
+  if (device.is_cpu()) return cpu::multi_tensor_l2norm(tensors);
+#ifdef WITH_CUDA
+  if (device.is_cuda()) return cuda::multi_tensor_l2norm(tensors);
+#endif
+  TORCH_CHECK_VALUE(false, op, ": no kernel for device ", device);
+}
+
+}  // namespace
+}  // namespace lamp
+
+namespace {
+at::ScalarType parse_wgrad_dtype(const std::string& name) {
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  TORCH_CHECK_VALUE(name == "float32", "dtype must be 'float32', 'float16' or 'bfloat16', got '", name, "'");
+  return at::kFloat;
+}
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lightning-amp compiled core: fused wgrad GEMM, multi-tensor kernels, fused optimizers";
+#ifdef WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+
+  m.def("wgrad_gemm_accum_fp32", &lamp::wgrad_gemm_accum_fp32, "main_grad(fp32) += grad_output^T @ input",
+        py::arg("input"), py::arg("grad_output"), py::arg("main_grad"));
+  m.def("wgrad_gemm_accum_fp16", &lamp::wgrad_gemm_accum_fp16,
+        "main_grad(fp16/bf16) += grad_output^T @ input, fp32 compute", py::arg("input"), py::arg("grad_output"),
+        py::arg("main_grad"));
+  m.def("multi_tensor_scale", &lamp::multi_tensor_scale,
+        "dst[i] = src[i] * scale; sets found_inf to 1 on inf/nan in src; returns per-tensor flags (fp32 [n])",
+        py::arg("src"), py::arg("dst"), py::arg("scale"), py::arg("found_inf"));
+  m.def("multi_tensor_l2norm", &lamp::multi_tensor_l2norm, "(global L2 norm, per-tensor norms), fp32",
+        py::arg("tensors"), py::arg("per_tensor") = false);
+
+  // Introspection and test hooks (private).
+  m.def("_wgrad_cpu_gemm_backend", [](const std::string& dtype) {
+    return lamp::cpu::wgrad_cpu_gemm_backend(parse_wgrad_dtype(dtype));
+  });
+  m.def("_wgrad_cpu_has_mkl_gemm", [](const std::string& dtype) {
+    return lamp::cpu::wgrad_cpu_has_mkl_gemm(parse_wgrad_dtype(dtype));
+  });
+  m.def("_set_wgrad_cpu_gemm_policy", &lamp::cpu::set_wgrad_cpu_gemm_policy, py::arg("policy"));
+  m.def("_set_wgrad_k_chunk", &lamp::cpu::set_wgrad_k_chunk, py::arg("rows"));
+  m.def("_wgrad_k_chunk", &lamp::cpu::wgrad_k_chunk);
+
+  // ==== BEGIN fused-optimizer bindings (owned by the fused-optimizers helper) ====
+  // Add the optimizer m.def(...) lines here.
+  m.def("multi_tensor_adam", &lamp::multi_tensor_adam,
+        "Adam/AdamW step over lists (in place; fp32 math; grad_scale divides grads; found_inf != 0 skips all)",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
+        py::arg("steps"), py::arg("model_copies"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("adam_w_mode"), py::arg("bias_correction"), py::arg("grad_scale"),
+        py::arg("found_inf"));
+  m.def("multi_tensor_sgd", &lamp::multi_tensor_sgd, "SGD step over lists (in place; torch.optim.SGD semantics)",
+        py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::arg("model_copies"), py::arg("lr"),
+        py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("first_run"),
+        py::arg("grad_scale"), py::arg("found_inf"));
+  m.def("multi_tensor_adadelta", &lamp::multi_tensor_adadelta,
+        "Adadelta step over lists (in place; torch.optim.Adadelta semantics)", py::arg("params"), py::arg("grads"),
+        py::arg("square_avgs"), py::arg("acc_deltas"), py::arg("steps"), py::arg("model_copies"), py::arg("lr"),
+        py::arg("rho"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("found_inf"));
+  m.def("multi_tensor_lamb", &lamp::multi_tensor_lamb,
+        "LAMB step over lists (in place; apex FusedLAMB semantics, global_grad_norm of the unscaled grads)",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
+        py::arg("model_copies"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("bias_correction"), py::arg("grad_averaging"), py::arg("adam_w_mode"),
+        py::arg("global_grad_norm"), py::arg("max_grad_norm"), py::arg("use_nvlamb"), py::arg("grad_scale"),
+        py::arg("found_inf"));
+  // ==== END fused-optimizer bindings ====
+}

@@ -1,0 +1,174 @@
+// Checked entry points of the fused optimizer kernels: every list length, dtype, device,
+// shape and contiguity is verified with a message naming the op, the list and the index
+// (apex checks none of these), then the call is dispatched by device.
+#include <ATen/ATen.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "checks.h"
+#include "optim.h"
+
+namespace lamp {
+namespace {
+
+using NamedList = std::pair<const char*, const TensorList*>;
+
+std::string at_index(const char* name, size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+
+void check_flag(const char* op, const char* name, const OptTensor& t, const at::Device& device) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->numel() == 1, op, ": ", name,
+                   " must be a one-element float32 tensor, got shape ", t->sizes(), " ", t->scalar_type());
+  TORCH_CHECK_VALUE(t->device() == device, op, ": ", name, " is on ", t->device(), " but the params are on ", device);
+}
+
+// Checks the lists shared by every optimizer and returns the params' device.
+at::Device check_lists(const char* op, const TensorList& params, const TensorList& grads,
+                       const std::vector<NamedList>& state, const TensorList* steps, const TensorList& copies,
+                       const OptTensor& grad_scale, const OptTensor& found_inf) {
+  const size_t n = params.size();
+  auto check_len = [&](const char* name, const TensorList& l) {
+    TORCH_CHECK_VALUE(l.size() == n, op, ": ", name, " has ", l.size(), " tensors but params has ", n,
+                      "; all lists must have equal length");
+  };
+  check_len("grads", grads);
+  for (const auto& s : state) check_len(s.first, *s.second);
+  if (steps != nullptr) check_len("steps", *steps);
+  TORCH_CHECK_VALUE(copies.empty() || copies.size() == n, op, ": model_copies has ", copies.size(),
+                    " tensors but params has ", n, " (give none or one per param)");
+  if (n == 0) return at::Device(at::kCPU);
+  const at::Device device = params[0].device();
+  const at::ScalarType pdtype = params[0].scalar_type();
+  const at::ScalarType gdtype = grads[0].scalar_type();
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const std::string pn = at_index("params", i);
+    LAMP_CHECK_FLOAT_LIKE(op, pn, p);
+    TORCH_CHECK_TYPE(p.scalar_type() == pdtype, op, ": params must share one dtype, ", pn, " is ", p.scalar_type(),
+                     " but params[0] is ", pdtype);
+    TORCH_CHECK_VALUE(p.device() == device, op, ": ", pn, " is on ", p.device(), " but params[0] is on ", device);
+    LAMP_CHECK_CONTIGUOUS(op, pn, p);
+    auto check_like = [&](const std::string& name, const at::Tensor& t) {
+      TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but ", pn, " is on ", device);
+      TORCH_CHECK_VALUE(t.sizes() == p.sizes(), op, ": ", name, " shape ", t.sizes(), " != ", pn, " shape ",
+                        p.sizes());
+      LAMP_CHECK_CONTIGUOUS(op, name, t);
+    };
+    const std::string gn = at_index("grads", i);
+    LAMP_CHECK_FLOAT_LIKE(op, gn, grads[i]);
+    TORCH_CHECK_TYPE(grads[i].scalar_type() == gdtype, op, ": grads must share one dtype, ", gn, " is ",
+                     grads[i].scalar_type(), " but grads[0] is ", gdtype);
+    check_like(gn, grads[i]);
+    for (const auto& s : state) {
+      const std::string sn = at_index(s.first, i);
+      const at::Tensor& t = (*s.second)[i];
+      TORCH_CHECK_TYPE(t.scalar_type() == pdtype, op, ": ", sn, " must have its param's dtype ", pdtype, ", got ",
+                       t.scalar_type());
+      check_like(sn, t);
+    }
+    if (steps != nullptr) {
+      const at::Tensor& s = (*steps)[i];
+      TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat && s.numel() == 1 && s.device() == device, op, ": ",
+                       at_index("steps", i), " must be a one-element float32 tensor on ", device);
+    }
+    if (!copies.empty()) {
+      const std::string cn = at_index("model_copies", i);
+      TORCH_CHECK_TYPE(pdtype == at::kFloat, op, ": with model_copies the params are fp32 masters, got ", pdtype);
+      TORCH_CHECK_TYPE(is_half_like(copies[i].scalar_type()), op, ": ", cn, " must be float16 or bfloat16, got ",
+                       copies[i].scalar_type());
+      TORCH_CHECK_TYPE(copies[i].scalar_type() == copies[0].scalar_type(), op,
+                       ": model_copies must share one dtype");
+      check_like(cn, copies[i]);
+    }
+  }
+  check_flag(op, "grad_scale", grad_scale, device);
+  check_flag(op, "found_inf", found_inf, device);
+  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), op, ": no kernel for device ", device);
+#ifndef WITH_CUDA
+  TORCH_CHECK_VALUE(device.is_cpu(), op, ": this build has no CUDA kernels (device ", device, ")");
+#endif
+  return device;
+}
+
+}  // namespace
+
+void multi_tensor_adam(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                       const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs, const TensorList& steps,
+                       const TensorList& model_copies, double lr, double beta1, double beta2, double eps,
+                       double weight_decay, bool adam_w_mode, bool bias_correction, const OptTensor& grad_scale,
+                       const OptTensor& found_inf) {
+  std::vector<NamedList> state = {{"exp_avgs", &exp_avgs}, {"exp_avg_sqs", &exp_avg_sqs}};
+  if (!max_exp_avg_sqs.empty()) state.push_back({"max_exp_avg_sqs", &max_exp_avg_sqs});
+  const at::Device device =
+      check_lists("multi_tensor_adam", params, grads, state, &steps, model_copies, grad_scale, found_inf);
+  if (params.empty()) return;
+  const AdamHyper h{lr, beta1, beta2, eps, weight_decay, adam_w_mode,
+                    bias_correction};
+  if (device.is_cpu()) return cpu::fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                                              model_copies, h, grad_scale, found_inf);
+#ifdef WITH_CUDA
+  cuda::fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_copies, h, grad_scale,
+                   found_inf);
+#endif
+}
+
+void multi_tensor_sgd(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
+                      const TensorList& model_copies, double lr, double momentum, double dampening,
+                      double weight_decay, bool nesterov, bool first_run, const OptTensor& grad_scale,
+                      const OptTensor& found_inf) {
+  std::vector<NamedList> state;
+  if (momentum != 0.0) {
+    TORCH_CHECK_VALUE(!momentum_buffers.empty() || params.empty(),
+                      "multi_tensor_sgd: momentum_buffers are required when momentum != 0");
+    state.push_back({"momentum_buffers", &momentum_buffers});
+  }
+  const at::Device device =
+      check_lists("multi_tensor_sgd", params, grads, state, nullptr, model_copies, grad_scale, found_inf);
+  if (params.empty()) return;
+  const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, first_run};
+  if (device.is_cpu()) return cpu::fused_sgd(params, grads, momentum_buffers, model_copies, h, grad_scale, found_inf);
+#ifdef WITH_CUDA
+  cuda::fused_sgd(params, grads, momentum_buffers, model_copies, h, grad_scale, found_inf);
+#endif
+}
+
+void multi_tensor_adadelta(const TensorList& params, const TensorList& grads, const TensorList& square_avgs,
+                           const TensorList& acc_deltas, const TensorList& steps, const TensorList& model_copies,
+                           double lr, double rho, double eps, double weight_decay, const OptTensor& grad_scale,
+                           const OptTensor& found_inf) {
+  const std::vector<NamedList> state = {{"square_avgs", &square_avgs}, {"acc_deltas", &acc_deltas}};
+  const at::Device device =
+      check_lists("multi_tensor_adadelta", params, grads, state, &steps, model_copies, grad_scale, found_inf);
+  if (params.empty()) return;
+  const AdadeltaHyper h{lr, rho, eps, weight_decay};
+  if (device.is_cpu())
+    return cpu::fused_adadelta(params, grads, square_avgs, acc_deltas, steps, model_copies, h, grad_scale, found_inf);
+#ifdef WITH_CUDA
+  cuda::fused_adadelta(params, grads, square_avgs, acc_deltas, steps, model_copies, h, grad_scale, found_inf);
+#endif
+}
+
+void multi_tensor_lamb(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                       const TensorList& exp_avg_sqs, const TensorList& steps, const TensorList& model_copies,
+                       double lr, double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+                       bool grad_averaging, bool adam_w_mode, const at::Tensor& global_grad_norm,
+                       double max_grad_norm, bool use_nvlamb, const OptTensor& grad_scale, const OptTensor& found_inf) {
+  const std::vector<NamedList> state = {{"exp_avgs", &exp_avgs}, {"exp_avg_sqs", &exp_avg_sqs}};
+  const at::Device device =
+      check_lists("multi_tensor_lamb", params, grads, state, &steps, model_copies, grad_scale, found_inf);
+  if (params.empty()) return;
+  check_flag("multi_tensor_lamb", "global_grad_norm", global_grad_norm, device);
+  const LambHyper h{lr, beta1, beta2, eps, weight_decay, max_grad_norm,
+                    bias_correction, grad_averaging, adam_w_mode, use_nvlamb};
+  if (device.is_cpu())
+    return cpu::fused_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, model_copies, h, global_grad_norm, grad_scale,
+                           found_inf);
+#ifdef WITH_CUDA
+  cuda::fused_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, model_copies, h, global_grad_norm, grad_scale,
+                   found_inf);
+#endif
+}
+
+}  // namespace lamp

@@ -1,0 +1,89 @@
+"""Runs the benchmark matrix, one fresh process per (model, level), with a rich progress display.
+
+Processes come from a ``multiprocessing`` fork server that has imported torch, Lightning and
+torchmetrics once, so each run starts clean (its own interpreter state, allocator and memory
+high-water mark) without paying the few seconds of imports again. Every run trains on the same
+seed and data, so losses are comparable across levels.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import tempfile
+from typing import Iterable, Optional, Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from lightning_amp.bench.models import MODELS
+from lightning_amp.bench.worker import RunSpec, failure_record, run_to_file
+
+PRELOAD = ["lightning_amp.bench.worker", "torchmetrics", "lightning_amp"]
+RUN_TIMEOUT_S = 1800.0
+
+
+def plan_runs(models: Sequence[str], levels: Sequence[str], dtype: str = "auto", size: str = "small",
+              steps: Optional[int] = None, warmup: int = 2, seed: int = 0, accelerator: str = "auto",
+              threads: Optional[int] = None) -> list[RunSpec]:
+    """The specs in run order (model-major); ``steps=None`` takes each model's default step count."""
+    return [
+        RunSpec(model=m, level=lv, dtype=dtype, size=size, steps=steps or MODELS[m].default_steps,
+                warmup=warmup, seed=seed, accelerator=accelerator, threads=threads)
+        for m in models for lv in levels
+    ]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        return context
+    return multiprocessing.get_context("spawn")
+
+
+def run_isolated(spec: RunSpec, workdir: str, context=None) -> dict:
+    """Run one spec in a fresh process; returns its record (a failure record if the process died)."""
+    context = context or _context()
+    stem = os.path.join(workdir, f"{spec.model}-{spec.level}")
+    result_path, log_path = stem + ".json", stem + ".log"
+    process = context.Process(target=run_to_file, args=(spec, result_path, log_path), name=f"bench-{spec.model}-{spec.level}")
+    process.start()
+    process.join(RUN_TIMEOUT_S)
+    if process.is_alive():
+        process.terminate()
+        process.join()
+        return failure_record(spec, f"timed out after {RUN_TIMEOUT_S:.0f} s")
+    if os.path.exists(result_path):
+        with open(result_path) as result:
+            return json.load(result)
+    tail = ""
+    if os.path.exists(log_path):
+        with open(log_path) as log:
+            tail = log.read()[-500:]
+    return failure_record(spec, f"process exited with code {process.exitcode}: {tail}")
+
+
+def run_matrix(specs: Iterable[RunSpec], console: Optional[Console] = None) -> list[dict]:
+    """Run every spec in its own process, in order, showing progress; returns the records in the same order."""
+    specs = list(specs)
+    console = console or Console(stderr=True)
+    context = _context()
+    records: list[dict] = []
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn())
+    with tempfile.TemporaryDirectory(prefix="lightning-amp-bench-") as workdir, \
+            Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("benchmark", total=len(specs))
+        for spec in specs:
+            progress.update(task, description=f"{spec.model:<11} {spec.level:<4} ({spec.size}, {spec.steps} steps)")
+            record = run_isolated(spec, workdir, context)
+            records.append(record)
+            if record.get("error"):
+                progress.console.print(f"[red]{spec.model} {spec.level} failed:[/red] {record['error']}")
+            else:
+                progress.console.print(f"{spec.model:<11} {spec.level:<4} {record['step_time_ms']:9.1f} ms/step  "
+                                       f"peak {record['peak_mem_mb']:8.1f} MiB  loss {record['final_loss']:.4f}")
+            progress.advance(task)
+        progress.update(task, description="done")
+    return records

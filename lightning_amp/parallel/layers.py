@@ -1,0 +1,346 @@
+"""ColumnParallelLinear and RowParallelLinear (Megatron semantics) and their one GEMM autograd function.
+
+Column: ``W`` [out, in] is split along ``out``; each rank holds ``W[r*out/tp:(r+1)*out/tp]`` and its
+bias slice. Row: ``W`` is split along ``in``; the bias is replicated and added after the reduction.
+
+Backward of the GEMM (:class:`LinearWithAsyncGradComm`): ``grad_input = grad_output @ W`` is computed
+first and its collective (all-reduce for a column layer, reduce-scatter under sequence parallelism)
+is launched with ``async_op=True``; the weight gradient is then accumulated *while it is in flight*,
+straight into the fp32 ``weight.main_grad`` by ``ops.wgrad_gemm_accum_fp32`` when
+``gradient_accumulation_fusion`` (autograd then sees no weight grad), else returned as an ordinary
+``weight.grad``; finally the collective is waited on.
+
+Sharded weights carry ``tensor_model_parallel = True`` and ``partition_dim`` (0 column, 1 row);
+replicated params whose gradient is partial under sequence parallelism carry ``sequence_parallel = True``
+(their grads must be all-reduced over the TP group; see ``main_grad.py``).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_amp import ops
+from lightning_amp.parallel import comm
+from lightning_amp.parallel.groups import group_rank, group_size
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # others (fp64) take the ordinary weight.grad path
+
+
+def ensure_main_grad(param: nn.Parameter) -> Tensor:
+    """``param.main_grad`` (fp32, param's shape), allocated zeroed on first use when absent."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        param.main_grad = main_grad
+    return main_grad
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class LinearWithAsyncGradComm(torch.autograd.Function):
+    """``y = x W^T + b``; see the module docstring for the backward schedule.
+
+    ``dgrad_comm``: "none" | "all_reduce" | "reduce_scatter" applied to grad_input over ``group``;
+    ``sequence_parallel``: all-gather ``x`` along ``seq_dim`` in forward (the reduce-scatter of
+    grad_input is then the adjoint). Under autocast the GEMM runs in the autocast dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, dgrad_comm, async_comm, fusion, sequence_parallel, seq_dim):
+        dtype = _compute_dtype(x)
+        x_c, w_c = x.to(dtype), weight.to(dtype)
+        b_c = bias.to(dtype) if bias is not None else None
+        total = comm.gather_along(x_c, seq_dim, group) if sequence_parallel else x_c
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.linear(total, w_c, b_c)
+        ctx.save_for_backward(total, w_c)
+        ctx.weight = weight
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.group, ctx.dgrad_comm, ctx.async_comm = group, dgrad_comm, async_comm
+        ctx.fusion, ctx.seq_dim, ctx.in_dtype, ctx.dtype = fusion, seq_dim, x.dtype, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        total, w = ctx.saved_tensors
+        weight = ctx.weight
+        grad_output = grad_output.to(ctx.dtype).contiguous()
+        grad_input = grad_output.matmul(w)
+        handle, rs_out = None, None
+        multi_rank = group_size(ctx.group) > 1
+        if multi_rank and ctx.dgrad_comm == "reduce_scatter":
+            rs_out, handle = comm.reduce_scatter_along(grad_input, ctx.seq_dim, ctx.group, async_op=ctx.async_comm)
+        elif multi_rank and ctx.dgrad_comm == "all_reduce":
+            handle = comm.all_reduce(grad_input, ctx.group, async_op=ctx.async_comm)
+
+        grad_weight = None
+        if weight.requires_grad:
+            if ctx.fusion and ctx.dtype in _FUSED_DTYPES:
+                target = getattr(weight, "_main_grad_target", None)
+                main_grad = target(weight) if target is not None else ensure_main_grad(weight)
+                ops.wgrad_gemm_accum_fp32(total, grad_output, main_grad)
+                ready = getattr(weight, "_main_grad_ready", None)
+                if ready is not None:
+                    ready(weight)
+            else:
+                go2 = grad_output.reshape(-1, grad_output.shape[-1])
+                grad_weight = (go2.t() @ total.reshape(-1, total.shape[-1])).to(weight.dtype)
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
+
+        if handle is not None and ctx.async_comm:
+            handle.wait()
+        if rs_out is not None:
+            grad_input = comm.finish_reduce_scatter(rs_out, ctx.seq_dim)
+        return grad_input.to(ctx.in_dtype), grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _validate_common(sequence_parallel: bool, sequence_dim: int) -> None:
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if not isinstance(sequence_dim, int):
+        raise TypeError(f"sequence_dim must be an int, got {sequence_dim!r}")
+
+
+def _init_full_weight(out_features: int, in_features: int, bias: bool, device, dtype):
+    """The full weight/bias initialised like ``nn.Linear`` (so shards do not depend on the TP size)."""
+    ref = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+    return ref.weight.detach(), (ref.bias.detach() if bias else None)
+
+
+class _ParallelLinearBase(nn.Module):
+    partition_dim: int
+
+    def __init__(self, group, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, sequence_dim):
+        super().__init__()
+        _validate_common(sequence_parallel, sequence_dim)
+        self.group = group
+        self.tp_size = group_size(group)
+        self.tp_rank = group_rank(group)
+        self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
+        self.async_grad_allreduce = bool(async_grad_allreduce)
+        self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
+
+    def _set_shard(self, weight: Tensor, bias: Optional[Tensor], bias_is_sharded: bool) -> None:
+        self.weight = nn.Parameter(weight)
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim = self.partition_dim
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(bias)
+            self.bias.tensor_model_parallel = bias_is_sharded
+            if bias_is_sharded:
+                self.bias.partition_dim = 0
+            elif self.sequence_parallel:
+                self.bias.sequence_parallel = True
+
+    def full_weight(self) -> Tensor:
+        """The gathered full weight (collective over the TP group)."""
+        return comm.gather_along(self.weight.detach(), self.partition_dim, self.group)
+
+    def full_state(self) -> dict:
+        """Gathered ``weight``/``bias`` under ``nn.Linear``'s keys (collective over the TP group)."""
+        state = {"weight": self.full_weight()}
+        if self.bias is not None:
+            state["bias"] = self.full_bias()
+        return state
+
+    def load_full_state(self, state: dict) -> None:
+        """Copy this rank's slice of a full ``nn.Linear`` state into the shard."""
+        weight = state["weight"]
+        size = self.weight.shape[self.partition_dim]
+        with torch.no_grad():
+            self.weight.copy_(weight.narrow(self.partition_dim, self.tp_rank * size, size))
+            if self.bias is not None:
+                bias = state["bias"]
+                if getattr(self.bias, "tensor_model_parallel", False):
+                    bias = bias.narrow(0, self.tp_rank * self.bias.shape[0], self.bias.shape[0])
+                self.bias.copy_(bias)
+
+    def full_bias(self) -> Optional[Tensor]:
+        if self.bias is None:
+            return None
+        if getattr(self.bias, "tensor_model_parallel", False):
+            return comm.gather_along(self.bias.detach(), 0, self.group)
+        return self.bias.detach()
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """``Y = X A^T + b`` with ``A`` split along its output dim.
+
+    Args:
+        gather_output: all-gather the output so every rank holds the full ``[..., out]``;
+            else each rank returns its ``[..., out/tp]`` slice.
+        skip_bias_add: return ``(output, bias)`` without adding the bias (for fusion downstream).
+        sequence_parallel: the input is split along ``sequence_dim`` across the TP group and is
+            all-gathered before the GEMM; grad_input is reduce-scattered.
+    """
+
+    partition_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: Optional[Any] = None,
+        gather_output: bool = True,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        gradient_accumulation_fusion: bool = True,
+        async_grad_allreduce: bool = True,
+        device=None,
+        dtype=None,
+        _shard: Optional[tuple] = None,
+    ) -> None:
+        super().__init__(group, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, sequence_dim)
+        if out_features % self.tp_size != 0:
+            raise ValueError(
+                f"ColumnParallelLinear: out_features={out_features} is not divisible by the tensor-parallel size {self.tp_size}"
+            )
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output=True is not allowed with sequence_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = out_features // self.tp_size
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        if _shard is None:
+            w, b = _init_full_weight(out_features, in_features, bias, device, dtype)
+            _shard = self._slice(w, b)
+        self._set_shard(_shard[0], _shard[1], bias_is_sharded=True)
+
+    def _slice(self, weight: Tensor, bias: Optional[Tensor]):
+        lo, hi = self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank
+        return weight.detach()[lo:hi].clone(), (bias.detach()[lo:hi].clone() if bias is not None else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Optional[Any] = None, **kwargs) -> "ColumnParallelLinear":
+        """A column-parallel copy of ``linear`` holding this rank's rows of its *existing* weight."""
+        return cls.from_weights(linear.weight, linear.bias, group, **kwargs)
+
+    @classmethod
+    def from_weights(cls, weight: Tensor, bias: Optional[Tensor], group: Optional[Any] = None, **kwargs):
+        size = group_size(group)
+        out_features, in_features = weight.shape
+        if out_features % size != 0:
+            raise ValueError(
+                f"ColumnParallelLinear: out_features={out_features} is not divisible by the tensor-parallel size {size}"
+            )
+        rank, per = group_rank(group), out_features // size
+        shard = (
+            weight.detach()[rank * per:(rank + 1) * per].clone(),
+            bias.detach()[rank * per:(rank + 1) * per].clone() if bias is not None else None,
+        )
+        return cls(in_features, out_features, bias=bias is not None, group=group, _shard=shard, **kwargs)
+
+    def forward(self, x: Tensor):
+        dgrad = "reduce_scatter" if self.sequence_parallel else ("all_reduce" if self.tp_size > 1 else "none")
+        bias = None if self.skip_bias_add else self.bias
+        out = LinearWithAsyncGradComm.apply(
+            x, self.weight, bias, self.group, dgrad, self.async_grad_allreduce,
+            self.gradient_accumulation_fusion, self.sequence_parallel and self.tp_size > 1, self.sequence_dim,
+        )
+        if self.gather_output:
+            out = comm.gather_from_tensor_parallel_region(out, self.group)
+        return (out, self.bias) if self.skip_bias_add else out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} ({self.out_per_rank}/rank), "
+                f"tp={self.tp_size}, gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """``Y = X A^T + b`` with ``A`` split along its input dim; ``b`` replicated, added after the reduction.
+
+    Args:
+        input_is_parallel: the input is already split along its last dim (e.g. a column layer's
+            output with ``gather_output=False``); else it is scattered here.
+        skip_bias_add: return ``(output, bias)`` without adding the bias.
+        sequence_parallel: the output is reduce-scattered along ``sequence_dim`` instead of all-reduced.
+    """
+
+    partition_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: Optional[Any] = None,
+        input_is_parallel: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        gradient_accumulation_fusion: bool = True,
+        async_grad_allreduce: bool = True,
+        device=None,
+        dtype=None,
+        _shard: Optional[tuple] = None,
+    ) -> None:
+        super().__init__(group, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, sequence_dim)
+        if in_features % self.tp_size != 0:
+            raise ValueError(
+                f"RowParallelLinear: in_features={in_features} is not divisible by the tensor-parallel size {self.tp_size}"
+            )
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = in_features // self.tp_size
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        if _shard is None:
+            w, b = _init_full_weight(out_features, in_features, bias, device, dtype)
+            lo, hi = self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank
+            _shard = (w[:, lo:hi].clone(), b.clone() if b is not None else None)
+        self._set_shard(_shard[0], _shard[1], bias_is_sharded=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Optional[Any] = None, **kwargs) -> "RowParallelLinear":
+        """A row-parallel copy of ``linear`` holding this rank's columns of its *existing* weight."""
+        return cls.from_weights(linear.weight, linear.bias, group, **kwargs)
+
+    @classmethod
+    def from_weights(cls, weight: Tensor, bias: Optional[Tensor], group: Optional[Any] = None, **kwargs):
+        size = group_size(group)
+        out_features, in_features = weight.shape
+        if in_features % size != 0:
+            raise ValueError(
+                f"RowParallelLinear: in_features={in_features} is not divisible by the tensor-parallel size {size}"
+            )
+        rank, per = group_rank(group), in_features // size
+        shard = (
+            weight.detach()[:, rank * per:(rank + 1) * per].clone(),
+            bias.detach().clone() if bias is not None else None,
+        )
+        return cls(in_features, out_features, bias=bias is not None, group=group, _shard=shard, **kwargs)
+
+    def forward(self, x: Tensor):
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tensor_parallel_region(x, self.group)
+        out = LinearWithAsyncGradComm.apply(
+            x, self.weight, None, self.group, "none", False, self.gradient_accumulation_fusion, False, self.sequence_dim
+        )
+        if self.sequence_parallel:
+            out = comm.reduce_scatter_to_sequence_parallel_region(out, self.group, self.sequence_dim)
+        else:
+            out = comm.reduce_from_tensor_parallel_region(out, self.group)
+        if self.skip_bias_add:
+            return out, self.bias
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} ({self.in_per_rank}/rank), out_features={self.out_features}, "
+                f"tp={self.tp_size}, input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")

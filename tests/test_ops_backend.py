@@ -1,0 +1,108 @@
+"""ops.backend(), LIGHTNING_AMP_DISABLE_EXT and life without the compiled extension.
+
+The environment variable is checked once end to end in a fresh interpreter; the other
+conditions load an independent copy of ops.py in-process (cheaper than a subprocess).
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from lightning_amp import ops
+
+EXT = ops._ext_for("cpu")
+
+
+def _run(code, tmp_path, **env):
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent(code))
+    full_env = {**os.environ, **env}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=full_env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+# The same ops on the same seeded inputs, saved so the parent can compare implementations.
+_WORKLOAD = """
+    import torch
+    from lightning_amp import ops
+    gen = torch.Generator().manual_seed(123)
+    x = torch.randn(3, 37, 129, generator=gen).bfloat16()
+    g = torch.randn(3, 37, 65, generator=gen).bfloat16()
+    main = torch.randn(65, 129, generator=gen)
+    ops.wgrad_gemm_accum_fp32(x, g, main)
+    src = [torch.randn(n, generator=gen).bfloat16() for n in (1, 7, 70001)]
+    src[2][70000] = float("nan")
+    dst = [torch.empty(s.shape) for s in src]
+    found_inf, flags = ops.multi_tensor_scale(src, dst, 0.125, per_tensor=True)
+    total, each = ops.multi_tensor_l2norm(src[:2] + [dst[2][:-1]], per_tensor=True)
+    torch.save(dict(backend=ops.backend("cpu"), main=main, dst=dst, found_inf=found_inf, flags=flags,
+                    total=total, each=each), OUT)
+"""
+
+
+def test_backend_names():
+    assert ops.backend("meta") == "torch"
+    assert ops.backend("cpu") == ("cpu-ext" if EXT is not None else "torch")
+    if EXT is not None:
+        assert isinstance(EXT.WITH_CUDA, bool)
+        assert ops.extension_error() is None
+        assert ops.backend("cuda") == ("cuda-ext" if EXT.WITH_CUDA else "torch")
+
+
+def _fresh_ops_module(name):
+    """A new, independent copy of lightning_amp/ops.py, executed under the current patches."""
+    spec = importlib.util.spec_from_file_location(name, ops.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(EXT is None, reason="compiled extension not loaded")
+def test_disable_env_var_forces_fallback_with_matching_results(tmp_path):
+    """The workload runs here on the extension and in a fresh interpreter with the env var set."""
+    out = tmp_path / "torch.pt"
+    _run(f"OUT = {str(out)!r}\n" + textwrap.dedent(_WORKLOAD), tmp_path, LIGHTNING_AMP_DISABLE_EXT="1")
+    ref = torch.load(out)
+    scope = {"OUT": tmp_path / "ext.pt"}
+    exec(textwrap.dedent(_WORKLOAD), scope)
+    ext = torch.load(scope["OUT"])
+    assert ext["backend"] == "cpu-ext" and ref["backend"] == "torch"
+    assert ((ext["main"] - ref["main"]).norm() / ref["main"].norm()).item() < 1e-6
+    for a, b in zip(ext["dst"], ref["dst"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert ext["found_inf"].item() == ref["found_inf"].item() == 1.0
+    assert ext["flags"].tolist() == ref["flags"].tolist() == [0.0, 0.0, 1.0]
+    torch.testing.assert_close(ext["total"], ref["total"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ext["each"], ref["each"], rtol=1e-6, atol=0)
+
+
+def test_disable_env_var_is_read_at_import(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_AMP_DISABLE_EXT", "1")
+    probe = _fresh_ops_module("lamp_ops_disabled_probe")
+    assert probe.backend("cpu") == "torch"
+    assert "LIGHTNING_AMP_DISABLE_EXT" in probe.extension_error()
+
+
+def test_missing_extension_warns_once_and_ops_still_work(monkeypatch):
+    import lightning_amp
+
+    monkeypatch.delenv("LIGHTNING_AMP_DISABLE_EXT", raising=False)
+    monkeypatch.setitem(sys.modules, "lightning_amp._C", None)  # `from lightning_amp import _C` -> ImportError
+    monkeypatch.delattr(lightning_amp, "_C", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe = _fresh_ops_module("lamp_ops_missing_probe")
+    msgs = [str(w.message) for w in caught if "compiled extension unavailable" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert probe.backend("cpu") == "torch" and probe.extension_error()
+    x, g, main = torch.ones(4, 3), torch.ones(4, 2), torch.zeros(2, 3)
+    probe.wgrad_gemm_accum_fp32(x, g, main)
+    assert torch.equal(main, torch.full((2, 3), 4.0))
+    found_inf, flags = probe.multi_tensor_scale([torch.tensor([1.0, float("inf")])], [torch.empty(2)], 2.0, True)
+    assert found_inf.item() == 1.0 and flags.tolist() == [1.0]

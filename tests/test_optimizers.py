@@ -1,0 +1,500 @@
+"""Fused optimizers vs torch references (and an fp64 apex-LAMB reference), on the compiled
+extension and on the pure-PyTorch fallback."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_amp import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD, ops
+
+SIZES = [(1,), (7,), (33,), (1000,), (17, 31), (3, 5, 7)]
+
+
+@pytest.fixture(params=["ext", "fallback"])
+def path(request, monkeypatch):
+    """Run the test on the compiled extension (skipped if not built) or the fallback."""
+    if request.param == "ext":
+        if ops.backend("cpu") != "cpu-ext":
+            pytest.skip("compiled extension not built")
+    else:
+        monkeypatch.setattr(ops, "_EXT", None)
+    return request.param
+
+
+def _params(sizes, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in sizes]
+
+
+def _groups(params, lrs, wds):
+    """Split ``params`` into len(lrs) groups with their own lr and weight_decay."""
+    k = len(lrs)
+    return [{"params": params[i::k], "lr": lrs[i], "weight_decay": wds[i]} for i in range(k)]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone().to(p.dtype)
+
+
+CASES = {
+    "adamw": (FusedAdam, dict(), torch.optim.AdamW, dict()),
+    "adam_l2_amsgrad": (FusedAdam, dict(adam_w_mode=False, amsgrad=True), torch.optim.Adam, dict(amsgrad=True)),
+    "adamw_no_bias_corr_check": (FusedAdam, dict(betas=(0.8, 0.99), eps=1e-6), torch.optim.AdamW,
+                                 dict(betas=(0.8, 0.99), eps=1e-6)),
+    "sgd_momentum": (FusedSGD, dict(momentum=0.9, dampening=0.2), torch.optim.SGD, dict(momentum=0.9, dampening=0.2)),
+    "sgd_nesterov": (FusedSGD, dict(momentum=0.8, nesterov=True), torch.optim.SGD, dict(momentum=0.8, nesterov=True)),
+    "sgd_plain": (FusedSGD, dict(), torch.optim.SGD, dict()),
+    "adadelta": (FusedAdadelta, dict(rho=0.85, eps=1e-5), torch.optim.Adadelta, dict(rho=0.85, eps=1e-5)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch_reference_100_steps_fp32(case, path):
+    fused_cls, fkw, ref_cls, rkw = CASES[case]
+    init = _params(SIZES, seed=1)
+    ours = [p.clone().requires_grad_() for p in init]
+    ref = [p.clone().requires_grad_() for p in init]
+    lrs, wds = [1e-2, 3e-3, 5e-2], [0.0, 0.1, 0.01]
+    if fused_cls is FusedAdadelta:
+        lrs = [1.0, 0.5, 2.0]
+    opt = fused_cls(_groups(ours, lrs, wds), **fkw)
+    ref_opt = ref_cls(_groups(ref, lrs, wds), **rkw, foreach=False)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(100):
+        grads = [torch.randn(p.shape, generator=gen) for p in init]
+        _set_grads(ours, grads)
+        _set_grads(ref, grads)
+        opt.step()
+        ref_opt.step()
+    for a, b, a0 in zip(ours, ref, init):
+        assert _rel(a, b) < 1e-6
+        assert not torch.equal(a, a0)  # every group moved
+    for a, b in zip(ours, ref):
+        for key, value in ref_opt.state[b].items():
+            if value is not None and key != "step":
+                assert _rel(opt.state[a][key], value) < 1e-5, key
+            elif key == "step":
+                assert float(opt.state[a]["step"]) == float(value) == 100.0
+
+
+@pytest.mark.parametrize("fused_cls,fkw,ref_cls,rkw", [
+    (FusedAdam, {}, torch.optim.AdamW, {}),
+    (FusedSGD, dict(momentum=0.9), torch.optim.SGD, dict(momentum=0.9)),
+    (FusedAdadelta, {}, torch.optim.Adadelta, {}),
+])
+def test_mixed_dtypes_in_one_group(fused_cls, fkw, ref_cls, rkw, path):
+    """fp32 params match torch exactly-ish; bf16/fp16 params (fp32 math inside) track an fp32 reference."""
+    init = _params([(33,), (7, 9), (1000,), (5,)], seed=3)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float32]
+    ours = [p.to(d).requires_grad_() for p, d in zip(init, dtypes)]
+    ref = [p.to(d).float().requires_grad_() for p, d in zip(init, dtypes)]
+    lr = 1.0 if fused_cls is FusedAdadelta else 1e-2
+    opt = fused_cls([{"params": ours, "lr": lr, "weight_decay": 0.05}], **fkw)
+    ref_opt = ref_cls([{"params": ref, "lr": lr, "weight_decay": 0.05}], **rkw, foreach=False)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        grads = [torch.randn(p.shape, generator=gen) for p in init]
+        _set_grads(ours, grads)
+        _set_grads(ref, [g.to(d).float() for g, d in zip(grads, dtypes)])
+        opt.step()
+        ref_opt.step()
+    for a, b, d in zip(ours, ref, dtypes):
+        assert a.dtype == d
+        assert _rel(a, b) < (1e-6 if d == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_adam_master_weights(half, adam_w_mode, path):
+    """Masters follow an fp32 AdamW/Adam fed the same (16-bit) grads; the model copy is the master rounded."""
+    init = _params(SIZES, seed=5)
+    model = [p.to(half).requires_grad_() for p in init]
+    ref = [p.to(half).float().requires_grad_() for p in init]
+    opt = FusedAdam(_groups(model, [1e-3, 4e-3], [0.01, 0.1]), master_weights=True, adam_w_mode=adam_w_mode)
+    ref_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    ref_opt = ref_cls(_groups(ref, [1e-3, 4e-3], [0.01, 0.1]), foreach=False)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(100):
+        grads = [torch.randn(p.shape, generator=gen).to(half) for p in init]
+        _set_grads(model, grads)
+        _set_grads(ref, [g.float() for g in grads])
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(model, ref):
+        st = opt.state[p]
+        master = st["master_param"]
+        assert master.dtype == torch.float32 and st["exp_avg"].dtype == torch.float32
+        assert _rel(master, r) < 1e-6
+        assert torch.equal(p.detach(), master.to(half))
+
+
+MAKERS = {
+    "adam": lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.1),
+    "adam_master": lambda ps: FusedAdam(ps, lr=1e-3, master_weights=True),
+    "sgd": lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1),
+    "lamb": lambda ps: FusedLAMB(ps, lr=1e-2),
+    "adadelta": lambda ps: FusedAdadelta(ps, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_extension_matches_fallback(name, dtype, monkeypatch):
+    """The compiled kernels and the pure-PyTorch fallback agree on awkward sizes up to ~1M elements."""
+    if ops.backend("cpu") != "cpu-ext":
+        pytest.skip("compiled extension not built")
+    init = _params([(1,), (7,), (33,), (1000,), (5, 7, 3), ((1 << 20) + 3,)], dtype=dtype, seed=17)
+    a = [p.clone().requires_grad_() for p in init]
+    b = [p.clone().requires_grad_() for p in init]
+    oa, ob = MAKERS[name](a), MAKERS[name](b)
+    gen = torch.Generator().manual_seed(18)
+    for i in range(3):
+        grads = [torch.randn(p.shape, generator=gen).to(dtype) * 8 for p in init]
+        _set_grads(a, grads)
+        _set_grads(b, grads)
+        oa.step(grad_scale=torch.tensor(8.0))
+        with monkeypatch.context() as m:
+            m.setattr(ops, "_EXT", None)
+            ob.step(grad_scale=torch.tensor(8.0))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for x, y in zip(a, b):
+        assert _rel(x, y) < tol
+        for key, value in ob.state[y].items():  # moments may be tiny differences of O(1) terms
+            torch.testing.assert_close(oa.state[x][key], value, rtol=tol * 10, atol=tol, msg=key)
+
+
+def _lamb_reference_fp64(groups, grads_per_step, *, betas, eps, bias_correction, grad_averaging, adam_w_mode,
+                         max_grad_norm, use_nvlamb):
+    """apex FusedLAMB's algorithm in fp64 (written from its description, independent of the op)."""
+    beta1, beta2 = betas
+    params = [[p.double().clone() for p in g["params"]] for g in groups]
+    m = [[torch.zeros_like(p) for p in ps] for ps in params]
+    v = [[torch.zeros_like(p) for p in ps] for ps in params]
+    for step, grads in enumerate(grads_per_step, start=1):
+        gnorm = torch.sqrt(sum((g.double() ** 2).sum() for gs in grads for g in gs)).item()
+        clip = gnorm / max_grad_norm if gnorm > max_grad_norm else 1.0
+        for gi, group in enumerate(groups):
+            lr, wd = group["lr"], group["weight_decay"]
+            c1 = 1 - beta1**step if bias_correction else 1.0
+            c2 = 1 - beta2**step if bias_correction else 1.0
+            b3 = 1 - beta1 if grad_averaging else 1.0
+            for i, p in enumerate(params[gi]):
+                g = grads[gi][i].double() / clip
+                if not adam_w_mode:
+                    g = g + wd * p
+                m[gi][i] = beta1 * m[gi][i] + b3 * g
+                v[gi][i] = beta2 * v[gi][i] + (1 - beta2) * g * g
+                u = (m[gi][i] / c1) / ((v[gi][i] / c2).sqrt() + eps)
+                if adam_w_mode:
+                    u = u + wd * p
+                ratio = 1.0
+                if wd != 0 or use_nvlamb:
+                    pn, un = p.norm().item(), u.norm().item()
+                    if pn != 0 and un != 0:
+                        ratio = pn / un
+                params[gi][i] = p - lr * ratio * u
+    return params
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(adam_w_mode=False, grad_averaging=False, max_grad_norm=5.0),
+    dict(use_nvlamb=True, bias_correction=False, max_grad_norm=100.0),
+])
+def test_lamb_matches_fp64_apex_reference(kw, path):
+    init = _params(SIZES, seed=7)
+    ours = [p.clone().requires_grad_() for p in init]
+    groups = _groups(ours, [1e-2, 3e-3], [0.01, 0.0])
+    opt = FusedLAMB(groups, betas=(0.9, 0.99), eps=1e-6, **kw)
+    ref_groups = _groups(init, [1e-2, 3e-3], [0.01, 0.0])
+    gen = torch.Generator().manual_seed(8)
+    history = []
+    for _ in range(100):
+        grads = [[torch.randn(p.shape, generator=gen) * 0.3 for p in g["params"]] for g in groups]
+        history.append(grads)
+        for g, gs in zip(groups, grads):
+            _set_grads(g["params"], gs)
+        opt.step()
+    full = dict(bias_correction=True, grad_averaging=True, adam_w_mode=True, max_grad_norm=1.0, use_nvlamb=False)
+    full.update(kw)
+    expected = _lamb_reference_fp64(ref_groups, history, betas=(0.9, 0.99), eps=1e-6, **full)
+    for g, exp in zip(groups, expected):
+        for p, e in zip(g["params"], exp):
+            assert _rel(p, e) < 2e-5
+
+
+ALL = [
+    lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    lambda ps: FusedAdam(ps, lr=1e-2, master_weights=True),
+    lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1),
+    lambda ps: FusedLAMB(ps, lr=1e-2),
+    lambda ps: FusedAdadelta(ps, weight_decay=0.1),
+]
+ALL_IDS = ["adam", "adam_master", "sgd", "lamb", "adadelta"]
+
+
+def _snapshot(opt, params):
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict()["state"])
+
+
+def _assert_same_snapshot(a, b):
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)
+    assert a[1].keys() == b[1].keys()
+    for k in a[1]:
+        assert a[1][k].keys() == b[1][k].keys()
+        for key in a[1][k]:
+            assert torch.equal(a[1][k][key], b[1][k][key]), key
+
+
+def _mixed_params(seed):
+    init = _params([(33,), (1000,), (7, 3)], seed=seed)
+    return [init[0].requires_grad_(), init[1].bfloat16().requires_grad_(), init[2].requires_grad_()]
+
+
+@pytest.mark.parametrize("make", ALL, ids=ALL_IDS)
+def test_found_inf_changes_nothing(make, path):
+    params = _mixed_params(9)
+    opt = make(params)
+    gen = torch.Generator().manual_seed(10)
+    # very first step skipped: no state is created
+    _set_grads(params, [torch.randn(p.shape, generator=gen) for p in params])
+    before = _snapshot(opt, params)
+    opt.step(found_inf=torch.ones(()))
+    _assert_same_snapshot(before, _snapshot(opt, params))
+    for _ in range(3):
+        _set_grads(params, [torch.randn(p.shape, generator=gen) for p in params])
+        opt.step(found_inf=torch.zeros(()))
+    before = _snapshot(opt, params)
+    _set_grads(params, [torch.randn(p.shape, generator=gen) for p in params])
+    opt.step(found_inf=torch.tensor(1.0), grad_scale=torch.tensor(4.0))
+    _assert_same_snapshot(before, _snapshot(opt, params))
+    opt.step()  # and a clean step then does change things
+    assert not torch.equal(before[0][0], params[0].detach())
+
+
+@pytest.mark.parametrize("make", ALL, ids=ALL_IDS)
+def test_grad_scale_matches_unscaled_run(make, path):
+    a, b = _mixed_params(11), _mixed_params(11)
+    oa, ob = make(a), make(b)
+    gen = torch.Generator().manual_seed(12)
+    scale = 1024.0
+    for i in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in a]
+        _set_grads(a, grads)
+        _set_grads(b, [g * scale for g in grads])
+        oa.step()
+        if i % 2:
+            ob.step(grad_scale=torch.tensor(scale))
+        else:  # the attribute protocol torch.amp.GradScaler uses
+            ob.grad_scale, ob.found_inf = torch.tensor(scale), torch.tensor(0.0)
+            ob.step()
+            del ob.grad_scale, ob.found_inf
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_works_under_torch_grad_scaler(path):
+    torch.manual_seed(13)
+    model = torch.nn.Linear(7, 3)
+    ref = copy.deepcopy(model)
+    opt = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for _ in range(4):
+        x = torch.randn(5, 7)
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert _rel(p, r) < 1e-6
+    assert not hasattr(opt, "grad_scale")
+
+
+@pytest.mark.parametrize("make", ALL, ids=ALL_IDS)
+def test_state_dict_round_trip_continues_identically(make, path):
+    a = _mixed_params(14)
+    oa = make(a)
+    gen = torch.Generator().manual_seed(15)
+    for _ in range(4):
+        _set_grads(a, [torch.randn(p.shape, generator=gen) for p in a])
+        oa.step()
+    b = [p.detach().clone().requires_grad_() for p in a]
+    ob = make(b)
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+    for p, q in zip(a, b):
+        for key, value in oa.state[p].items():
+            assert ob.state[q][key].dtype == value.dtype and torch.equal(ob.state[q][key], value), key
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=gen) for p in a]
+        _set_grads(a, grads)
+        _set_grads(b, grads)
+        oa.step()
+        ob.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+def test_master_weights_survive_checkpoint_in_fp32(path):
+    params = [torch.randn(100).bfloat16().requires_grad_()]
+    opt = FusedAdam(params, lr=1e-4, master_weights=True)
+    params[0].grad = torch.randn(100).bfloat16()
+    opt.step()
+    master = opt.state[params[0]]["master_param"].clone()
+    assert not torch.equal(master, master.bfloat16().float())  # the master holds bits bf16 lacks
+    opt2 = FusedAdam([params[0].detach().clone().requires_grad_()], lr=1e-4, master_weights=True)
+    opt2.load_state_dict(opt.state_dict())
+    loaded = next(iter(opt2.state.values()))["master_param"]
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, master)
+
+
+@pytest.mark.parametrize("make", ALL, ids=ALL_IDS)
+def test_closure_and_zero_grad(make, path):
+    torch.manual_seed(16)
+    model = torch.nn.Linear(4, 2)
+    opt = make(list(model.parameters()))
+    x = torch.randn(3, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().sum()
+        loss.backward()
+        return loss
+
+    w0 = model.weight.detach().clone()
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+    assert not torch.equal(w0, model.weight)
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()  # no grads: nothing to do, no error
+
+
+def test_params_without_grad_are_left_alone(path):
+    a, b = torch.randn(5, requires_grad=True), torch.randn(6, requires_grad=True)
+    b0 = b.detach().clone()
+    opt = FusedAdam([a, b], lr=0.1)
+    a.grad = torch.randn(5)
+    opt.step()
+    assert torch.equal(b, b0) and len(opt.state[b]) == 0
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda p: FusedAdam(p, lr=-1.0), "lr"),
+    (lambda p: FusedAdam(p, betas=(1.0, 0.9)), "betas"),
+    (lambda p: FusedAdam(p, betas=(0.9, -0.1)), "betas"),
+    (lambda p: FusedAdam(p, eps=-1e-8), "eps"),
+    (lambda p: FusedAdam(p, weight_decay=-0.1), "weight_decay"),
+    (lambda p: FusedAdam([{"params": p, "lr": -2.0}]), "lr"),
+    (lambda p: FusedSGD(p), "lr"),
+    (lambda p: FusedSGD(p, lr=0.1, momentum=-0.5), "momentum"),
+    (lambda p: FusedSGD(p, lr=0.1, nesterov=True), "nesterov"),
+    (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), "nesterov"),
+    (lambda p: FusedLAMB(p, max_grad_norm=-1.0), "max_grad_norm"),
+    (lambda p: FusedLAMB(p, betas=(0.9, 1.5)), "betas"),
+    (lambda p: FusedAdadelta(p, rho=1.5), "rho"),
+    (lambda p: FusedAdadelta(p, lr=-1.0), "lr"),
+])
+def test_bad_hyper_parameters_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make([torch.randn(3, requires_grad=True)])
+
+
+def test_integer_params_rejected():
+    with pytest.raises(TypeError, match="float32/float16/bfloat16"):
+        FusedAdam([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
+
+
+def _adam_lists(n=3, size=10, dtype=torch.float32):
+    ps = [torch.randn(size, dtype=dtype) for _ in range(n)]
+    return dict(params=ps, grads=[torch.randn_like(p) for p in ps], exp_avgs=[torch.zeros_like(p) for p in ps],
+                exp_avg_sqs=[torch.zeros_like(p) for p in ps], steps=[torch.zeros(()) for _ in ps])
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: a["grads"].pop(), ValueError, "equal length"),
+    (lambda a: a["exp_avgs"].__setitem__(1, torch.zeros(10, dtype=torch.float16)), TypeError, "exp_avgs\\[1\\]"),
+    (lambda a: a["grads"].__setitem__(2, torch.zeros(11)), ValueError, "grads\\[2\\]"),
+    (lambda a: a["grads"].__setitem__(0, torch.zeros(10, device="meta")), ValueError, "grads\\[0\\]"),
+    (lambda a: a["params"].__setitem__(1, torch.zeros(20)[::2]), ValueError, "contiguous"),
+    (lambda a: a["params"].__setitem__(1, torch.zeros(10, dtype=torch.float64)), TypeError, "params\\[1\\]"),
+    (lambda a: a["steps"].__setitem__(0, torch.zeros((), dtype=torch.int64)), TypeError, "steps\\[0\\]"),
+])
+def test_bad_kernel_arguments_raise(mutate, exc, match, path):
+    args = _adam_lists()
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        ops.multi_tensor_adam(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def test_bad_flag_arguments_raise(path):
+    args = _adam_lists()
+    with pytest.raises(TypeError, match="grad_scale"):
+        ops.multi_tensor_adam(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, grad_scale=torch.ones(2))
+    with pytest.raises(TypeError, match="model_copies"):
+        ops.multi_tensor_adam(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                              model_copies=[torch.zeros(10) for _ in range(3)])
+    with pytest.raises(ValueError, match="momentum_buffers"):
+        ops.multi_tensor_sgd(args["params"], args["grads"], None, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_cuda_kernels_match_cpu(name, dtype):
+    """The CUDA multi-tensor kernels agree with the CPU path, incl. found_inf skipping on device."""
+    init = _params([(1,), (7,), (33,), (1000,), (5, 7, 3), ((1 << 20) + 3,)], dtype=dtype, seed=19)
+    cpu = [p.clone().requires_grad_() for p in init]
+    gpu = [p.cuda().requires_grad_() for p in init]
+    oc, og = MAKERS[name](cpu), MAKERS[name](gpu)
+    gen = torch.Generator().manual_seed(20)
+    for i in range(4):
+        grads = [torch.randn(p.shape, generator=gen).to(dtype) * 4 for p in init]
+        _set_grads(cpu, grads)
+        _set_grads(gpu, [g.cuda() for g in grads])
+        skip = torch.tensor(float(i == 2))
+        oc.step(grad_scale=torch.tensor(4.0), found_inf=skip)
+        og.step(grad_scale=torch.tensor(4.0, device="cuda"), found_inf=skip.cuda())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for x, y in zip(cpu, gpu):
+        assert _rel(y.cpu(), x) < tol
+        for key, value in oc.state[x].items():
+            torch.testing.assert_close(og.state[y][key].cpu(), value, rtol=tol * 10, atol=tol, msg=key)
+
+
+def test_compiled_entry_points_check_their_arguments():
+    """_C is reachable directly too: its own checks raise clear errors (apex checks none)."""
+    if ops.backend("cpu") != "cpu-ext":
+        pytest.skip("compiled extension not built")
+    ext = ops._EXT
+    a = _adam_lists()
+    hyper = (1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, None, None)
+    with pytest.raises(ValueError, match="grads has 2 tensors but params has 3"):
+        ext.multi_tensor_adam(a["params"], a["grads"][:2], a["exp_avgs"], a["exp_avg_sqs"], [], a["steps"], [], *hyper)
+    bad = list(a["exp_avgs"])
+    bad[1] = bad[1].half()
+    with pytest.raises(TypeError, match="exp_avgs\\[1\\]"):
+        ext.multi_tensor_adam(a["params"], a["grads"], bad, a["exp_avg_sqs"], [], a["steps"], [], *hyper)
+    bad = list(a["grads"])
+    bad[2] = torch.zeros(4)
+    with pytest.raises(ValueError, match="grads\\[2\\] shape"):
+        ext.multi_tensor_sgd(a["params"], bad, [], [], 0.1, 0.0, 0.0, 0.0, False, False, None, None)
+    with pytest.raises(TypeError, match="found_inf"):
+        ext.multi_tensor_adadelta(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["steps"], [],
+                                  1.0, 0.9, 1e-6, 0.0, None, torch.zeros(2))
+    with pytest.raises(TypeError, match="model_copies"):
+        ext.multi_tensor_lamb(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["steps"],
+                              [torch.zeros(10) for _ in range(3)], 1e-3, 0.9, 0.999, 1e-6, 0.01, True, True, True,
+                              torch.ones(()), 1.0, False, None, None)

@@ -1,0 +1,232 @@
+"""Column/RowParallelLinear and the comm pairs on 2 real gloo ranks vs a full nn.Linear (fp64 reference)."""
+import socket
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_amp.parallel import ParallelMultiheadAttention, apply_plan, comm
+from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_on_two_ranks(fn, *args):
+    mp.spawn(_entry, args=(fn, free_port(), args), nprocs=WORLD, join=True)
+
+
+def _entry(rank, fn, port, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _close(actual, expected, dtype, what):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    actual, expected = actual.double(), expected.double()
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item() + 1e-12
+    assert err <= tol * scale, f"{what}: max abs err {err:.3e} > {tol} x {scale:.3e}"
+
+
+def _check_layers(rank, dtype, fusion, sequence_parallel):
+    torch.manual_seed(1234)  # identical inputs on both ranks
+    batch, seq, in_f, hid = 3, 6, 10, 14  # awkward sizes; seq and hid split over 2 ranks
+    x = torch.randn(batch, seq, in_f)
+    grad_out = torch.randn(batch, seq, in_f)
+    torch.manual_seed(7)
+    lin1 = nn.Linear(in_f, hid)
+    lin2 = nn.Linear(hid, in_f)
+    # fp64 reference of lin2(gelu(lin1(x)))
+    x64 = x.double().requires_grad_(True)
+    w1, b1, w2, b2 = (t.detach().double().requires_grad_(True) for t in (lin1.weight, lin1.bias, lin2.weight, lin2.bias))
+    y64 = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x64, w1, b1)), w2, b2)
+    y64.backward(grad_out.double())
+
+    sp_dim = 1
+    col = ColumnParallelLinear.from_linear(
+        lin1, None, gather_output=False, sequence_parallel=sequence_parallel, sequence_dim=sp_dim,
+        gradient_accumulation_fusion=fusion,
+    ).to(dtype)
+    row = RowParallelLinear.from_linear(
+        lin2, None, input_is_parallel=True, sequence_parallel=sequence_parallel, sequence_dim=sp_dim,
+        gradient_accumulation_fusion=fusion,
+    ).to(dtype)
+    if sequence_parallel:
+        x_in = comm.scatter_to_sequence_parallel_region(x.to(dtype), None, sp_dim)
+        x_in = x_in.detach().requires_grad_(True)
+        g_in = grad_out.chunk(WORLD, sp_dim)[rank].to(dtype)
+    else:
+        x_in = x.to(dtype).requires_grad_(True)
+        g_in = grad_out.to(dtype)
+    y = row(torch.nn.functional.gelu(col(x_in)))
+    y.backward(g_in)
+
+    exp_y = y64.chunk(WORLD, sp_dim)[rank] if sequence_parallel else y64
+    exp_gx = x64.grad.chunk(WORLD, sp_dim)[rank] if sequence_parallel else x64.grad
+    _close(y, exp_y, dtype, "forward")
+    assert y.dtype == dtype
+    _close(x_in.grad, exp_gx, dtype, "grad_input")
+    w1_grad = col.weight.main_grad if fusion else col.weight.grad
+    w2_grad = row.weight.main_grad if fusion else row.weight.grad
+    if fusion:
+        assert col.weight.grad is None and row.weight.grad is None, "fusion must bypass weight.grad"
+        assert w1_grad.dtype == torch.float32 and w2_grad.dtype == torch.float32
+    else:
+        assert not hasattr(col.weight, "main_grad")
+    _close(w1_grad, w1.grad.chunk(WORLD, 0)[rank], dtype, "column wgrad")
+    _close(w2_grad, w2.grad.chunk(WORLD, 1)[rank], dtype, "row wgrad")
+    _close(col.bias.grad, b1.grad.chunk(WORLD, 0)[rank], dtype, "column bias grad")
+    row_bias_grad = row.bias.grad.clone()
+    if sequence_parallel:  # partial over this rank's tokens: replicated params need a TP all-reduce
+        assert row.bias.sequence_parallel
+        dist.all_reduce(row_bias_grad)
+    _close(row_bias_grad, b2.grad, dtype, "row bias grad")
+    # full weights gather back to the originals
+    _close(col.full_weight(), lin1.weight.detach().to(dtype), dtype, "gathered column weight")
+    _close(row.full_weight(), lin2.weight.detach().to(dtype), dtype, "gathered row weight")
+
+    # a second backward accumulates into main_grad (gradient accumulation in fp32)
+    if fusion:
+        before = w1_grad.clone()
+        x2 = x_in.detach().requires_grad_(True)
+        row(torch.nn.functional.gelu(col(x2))).backward(g_in)
+        _close(col.weight.main_grad, 2 * before, dtype, "accumulated main_grad")
+
+
+def _check_gather_scatter_and_sync(rank):
+    torch.manual_seed(5)
+    lin = nn.Linear(8, 6)
+    x = torch.randn(4, 8, requires_grad=True)
+    for async_comm in (True, False):
+        col = ColumnParallelLinear.from_linear(lin, None, gather_output=True, async_grad_allreduce=async_comm)
+        row = RowParallelLinear.from_linear(nn.Linear(6, 8), None, input_is_parallel=False)
+        y = col(x)
+        torch.testing.assert_close(y, lin(x), rtol=1e-6, atol=1e-6)
+        (gx,) = torch.autograd.grad(y.square().sum(), x)
+        (gref,) = torch.autograd.grad(lin(x).square().sum(), x)
+        torch.testing.assert_close(gx, gref, rtol=1e-6, atol=1e-6)
+        out, bias = RowParallelLinear.from_linear(nn.Linear(6, 8), None, skip_bias_add=True)(y)
+        assert bias is not None and out.shape == (4, 8)
+        assert row(y).shape == (4, 8)
+    # comm pairs: gather/scatter are adjoint, copy/reduce are adjoint
+    t = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 12, dtype=torch.float64)
+    (gt,) = torch.autograd.grad(comm.gather_from_tensor_parallel_region(t), t, g)
+    torch.testing.assert_close(gt, g.chunk(2, -1)[rank])
+    local = torch.randn(2, 3, dtype=torch.float64) * (rank + 1)
+    local.requires_grad_(True)
+    red = comm.reduce_from_tensor_parallel_region(local)
+    expected = local.detach() * 3 / (rank + 1)
+    torch.testing.assert_close(red, expected)
+    cp = comm.copy_to_tensor_parallel_region(local)
+    (gc,) = torch.autograd.grad(cp, local, torch.ones(2, 3, dtype=torch.float64))
+    torch.testing.assert_close(gc, torch.full((2, 3), 2.0, dtype=torch.float64))
+    s = torch.arange(8.0, dtype=torch.float64).reshape(4, 2).requires_grad_(True)
+    rs = comm.reduce_scatter_to_sequence_parallel_region(s, None, 0)
+    torch.testing.assert_close(rs, 2 * s.detach()[2 * rank:2 * rank + 2])
+    # a bad split names the sizes
+    with pytest.raises(ValueError, match="out_features=7"):
+        ColumnParallelLinear.from_linear(nn.Linear(4, 7), None)
+    with pytest.raises(ValueError, match="in_features=5"):
+        RowParallelLinear.from_linear(nn.Linear(5, 4), None)
+
+
+def _check_plan_errors(rank):
+    """Unsplittable layers at TP=2: ValueError naming the numbers (explicit) or a warning (auto)."""
+    with pytest.raises(ValueError, match="num_heads=3 is not divisible by tensor_parallel_size=2"):
+        ParallelMultiheadAttention(nn.MultiheadAttention(12, 3, batch_first=True))
+    with pytest.raises(ValueError, match="out_features=5 is not divisible by tensor_parallel_size=2"):
+        apply_plan(nn.Sequential(nn.Linear(4, 5)), plan={"0": "column"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = apply_plan(nn.Sequential(nn.Conv1d(2, 2, 1), nn.LayerNorm(3)))
+    assert rows == []
+    assert any("no layer of Sequential could be split across 2 ranks" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = nn.TransformerEncoderLayer(6, 3, 8, dropout=0.0, batch_first=True)
+        rows = apply_plan(layer)
+    assert {r.name: r.kind for r in rows}["self_attn"] == "replicated"
+    assert any("num_heads=3" in str(w.message) for w in caught)
+    assert isinstance(layer.linear1, ColumnParallelLinear)  # the MLP pair still splits
+
+
+class _BertSelfAttention(nn.Module):
+    """Attention written like BERT/Llama code: q/k/v/o projections and a head count read in forward."""
+
+    def __init__(self, hidden=12, heads=4):
+        super().__init__()
+        self.num_attention_heads, self.head_dim = heads, hidden // heads
+        self.all_head_size = hidden
+        self.query, self.key, self.value, self.o_proj = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.num_attention_heads, self.head_dim).transpose(1, 2)
+                   for p in (self.query, self.key, self.value))
+        ctx = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim ** 0.5, -1) @ v
+        return self.o_proj(ctx.transpose(1, 2).reshape(b, s, self.all_head_size))
+
+
+def _check_named_attention_plan(rank):
+    """q/k/v/o naming at TP=2: heads split, head-count attributes divided, outputs and grads unchanged."""
+    import copy
+
+    torch.manual_seed(11)
+    ref = _BertSelfAttention()
+    tp = copy.deepcopy(ref)
+    kinds = {r.name: r.kind for r in apply_plan(tp)}
+    assert kinds == {"query": "column", "key": "column", "value": "column", "o_proj": "row"}
+    assert tp.num_attention_heads == 2 and tp.all_head_size == 6
+    x = torch.randn(2, 5, 12)
+    x_ref, x_tp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_ref, y_tp = ref(x_ref), tp(x_tp)
+    torch.testing.assert_close(y_tp, y_ref, rtol=1e-5, atol=1e-5)
+    y_ref.square().sum().backward()
+    y_tp.square().sum().backward()
+    torch.testing.assert_close(x_tp.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tp.query.weight.main_grad, ref.query.weight.grad.chunk(2, 0)[rank], rtol=1e-5, atol=1e-6)
+
+
+def _all_cases(rank):
+    for sequence_parallel in (False, True):
+        for dtype in (torch.float32, torch.bfloat16):
+            for fusion in (True, False):
+                try:
+                    _check_layers(rank, dtype, fusion, sequence_parallel)
+                except AssertionError as err:
+                    raise AssertionError(f"dtype={dtype} fusion={fusion} sp={sequence_parallel}: {err}") from err
+    _check_gather_scatter_and_sync(rank)
+    _check_plan_errors(rank)
+    _check_named_attention_plan(rank)
+
+
+def test_column_row_match_linear_and_comm_pairs():
+    """fp32/bf16 x fused/unfused wgrad x with/without sequence parallelism, then gather/scatter/copy/reduce
+    adjointness, size errors and the plan's messages for unsplittable layers (one spawn: process start-up
+    dominates the cost)."""
+    run_on_two_ranks(_all_cases)
+
+
+def test_single_process_layers_are_plain_linear():
+    torch.manual_seed(3)
+    lin = nn.Linear(5, 7)
+    col = ColumnParallelLinear.from_linear(lin, None, gradient_accumulation_fusion=False)
+    x = torch.randn(2, 5)
+    torch.testing.assert_close(col(x), lin(x))
+    with pytest.raises(ValueError, match="gather_output"):
+        ColumnParallelLinear(4, 4, sequence_parallel=True, gather_output=True)
