@@ -155,3 +155,15 @@ def test_info_reports_versions_and_backend(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "cpu backend:" in out and "amx_bf16=" in out
+
+
+def test_bench_json_is_strict_even_when_a_loss_diverged(tmp_path):
+    from lightning_amp.bench import write_json
+
+    record = {"model": "bert", "level": "O3", "final_loss": float("nan"), "loss_curve": [1.0, float("inf")]}
+    path = tmp_path / "bench.json"
+    write_json([record], str(path))
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    loaded = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-strict JSON constant {name}"))
+    assert loaded[0]["final_loss"] is None and loaded[0]["loss_curve"] == [1.0, None]

@@ -7,6 +7,7 @@ loss difference = (final loss - baseline final loss) / |baseline final loss|.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -97,8 +98,19 @@ def markdown_table(records: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _strict_json(value):
+    """Non-finite floats (a diverged loss) become ``null``: strict JSON has no NaN/Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(item) for item in value]
+    return value
+
+
 def write_json(records: Sequence[dict], path: str) -> None:
-    """Write the records as a JSON list (every record has at least :data:`JSON_KEYS`)."""
+    """Write the records as a strict JSON list (every record has at least :data:`JSON_KEYS`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as out:
-        json.dump(list(records), out, indent=1)
+        json.dump(_strict_json(list(records)), out, indent=1, allow_nan=False)
