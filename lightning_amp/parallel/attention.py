@@ -4,7 +4,9 @@ Heads are split over the TP group: q/k/v projections are ColumnParallelLinear (t
 ``num_heads / tp`` heads, sliced from MHA's fused ``in_proj_weight``), attention runs on the
 local heads with ``scaled_dot_product_attention``, and ``out_proj`` is a RowParallelLinear.
 Forward takes MHA's arguments and returns ``(output, None)`` (attention weights are not
-materialised). ``full_state()`` gives the gathered params in MHA's original key layout.
+materialised). With ``sequence_parallel`` the query (and, unless ``kv_sequence_parallel=False`` as
+for a decoder's cross-attention on a full ``memory``, key/value) arrive split along the sequence
+and the output leaves split along it (Megatron). ``full_state()`` gives the gathered params in MHA's original key layout.
 """
 from __future__ import annotations
 
@@ -24,7 +26,14 @@ class ParallelMultiheadAttention(nn.Module):
     in_proj_bias = None
     _qkv_same_embed_dim = False
 
-    def __init__(self, mha: nn.MultiheadAttention, group: Optional[Any] = None, **linear_kwargs) -> None:
+    def __init__(
+        self,
+        mha: nn.MultiheadAttention,
+        group: Optional[Any] = None,
+        sequence_parallel: bool = False,
+        kv_sequence_parallel: Optional[bool] = None,
+        **linear_kwargs,
+    ) -> None:
         super().__init__()
         tp = group_size(group)
         if mha.num_heads % tp != 0:
@@ -46,11 +55,16 @@ class ParallelMultiheadAttention(nn.Module):
         bq = bk = bv = None
         if mha.in_proj_bias is not None:
             bq, bk, bv = mha.in_proj_bias.detach().chunk(3)
-        col = dict(linear_kwargs, gather_output=False)
-        self.q_proj = ColumnParallelLinear.from_weights(wq, bq, group, **col)
-        self.k_proj = ColumnParallelLinear.from_weights(wk, bk, group, **col)
-        self.v_proj = ColumnParallelLinear.from_weights(wv, bv, group, **col)
-        self.out_proj = RowParallelLinear.from_linear(mha.out_proj, group, input_is_parallel=True, **linear_kwargs)
+        kv_sp = sequence_parallel if kv_sequence_parallel is None else kv_sequence_parallel
+        self.sequence_parallel, self.kv_sequence_parallel = sequence_parallel, kv_sp
+        # projections see batch-first tensors (see forward): the sequence dim is 1
+        col = dict(linear_kwargs, gather_output=False, sequence_dim=1)
+        self.q_proj = ColumnParallelLinear.from_weights(wq, bq, group, sequence_parallel=sequence_parallel, **col)
+        self.k_proj = ColumnParallelLinear.from_weights(wk, bk, group, sequence_parallel=kv_sp, **col)
+        self.v_proj = ColumnParallelLinear.from_weights(wv, bv, group, sequence_parallel=kv_sp, **col)
+        self.out_proj = RowParallelLinear.from_linear(
+            mha.out_proj, group, input_is_parallel=True, sequence_parallel=sequence_parallel, sequence_dim=1, **linear_kwargs
+        )
 
     def _heads(self, x: Tensor) -> Tensor:
         n, length, _ = x.shape
@@ -80,9 +94,8 @@ class ParallelMultiheadAttention(nn.Module):
                 average_attn_weights=True, is_causal=False):
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        n, q_len, _ = query.shape
-        k_len = key.shape[1]
         q, k, v = self._heads(self.q_proj(query)), self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
+        n, q_len, k_len = q.shape[0], q.shape[2], k.shape[2]  # full lengths (sequence-parallel inputs are gathered)
         mask = self._mask(attn_mask, key_padding_mask, n, q_len, k_len, q.dtype, q.device)
         ctx = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,

@@ -78,7 +78,22 @@ def reduce_scatter_along(x: Tensor, dim: int, group: Any, async_op: bool = False
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     handle = dist.reduce_scatter_tensor(out, moved, group=group, async_op=async_op)
+    if handle is not None:
+        handle = _KeepAlive(handle, moved)
     return out, handle
+
+
+class _KeepAlive:
+    """A collective's work handle that holds its input until waited on: the backend may still read
+    (gloo: and use as scratch) a temporary input, whose memory must not be reused meanwhile."""
+
+    def __init__(self, work: Any, *tensors: Tensor) -> None:
+        self.work, self.tensors = work, tensors
+
+    def wait(self) -> Any:
+        result = self.work.wait()
+        self.tensors = ()
+        return result
 
 
 def finish_reduce_scatter(out: Tensor, dim: int) -> Tensor:

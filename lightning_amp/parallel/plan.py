@@ -31,6 +31,7 @@ from torch import nn
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from lightning_amp.parallel.groups import group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_amp.parallel.sequence import install_boundaries, plan_runs, validate_sequence_dim
 
 COLUMN_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "up_proj", "gate_proj", "fc1", "dense_h_to_4h", "c_fc", "w1", "w3"}
 ROW_NAMES = {"o_proj", "out_proj", "down_proj", "fc2", "dense_4h_to_h", "c_proj", "w2"}
@@ -118,17 +119,28 @@ def apply_plan(
     module: nn.Module,
     group: Any = None,
     plan: Union[str, Mapping[str, str]] = "auto",
+    sequence_parallel: bool = False,
+    sequence_dim: Optional[int] = None,
     **linear_kwargs,
 ) -> list[Conversion]:
     """Replace the planned layers of ``module`` in place; returns the conversion table.
 
     ``linear_kwargs`` (``gradient_accumulation_fusion``, ``async_grad_allreduce``, ...) go to every
     parallel layer. With a TP group of size 1 the layers are still converted (fused wgrad path).
+    ``sequence_parallel``: see :mod:`~lightning_amp.parallel.sequence` (``sequence_dim`` for blocks
+    other than ``nn.Transformer*Layer``); a model it cannot handle raises ValueError, and no layer
+    may stay replicated.
     """
     validate_plan(plan)
+    validate_sequence_dim(sequence_dim)
     explicit = plan != "auto"
     decisions = _explicit_decisions(module, plan) if explicit else _auto_decisions(module)
     tp = group_size(group)
+    runs, sp_kwargs = [], {}
+    if sequence_parallel:
+        if not decisions:
+            raise ValueError(f"sequence_parallel=True: the plan found no layer of {type(module).__name__} to split")
+        runs, sp_kwargs = plan_runs(module, decisions, sequence_dim)
     rows: list[Conversion] = []
     parents_with_row = {name.rpartition(".")[0] for name, kind in decisions.items() if kind == "row"}
     converted_parents: dict[str, nn.Module] = {}
@@ -146,7 +158,7 @@ def apply_plan(
             problem = (f"num_heads={child.num_heads} is not divisible by tensor_parallel_size={tp}"
                        if child.num_heads % tp else "add_bias_kv/add_zero_attn are not supported")
         if problem is not None:
-            if explicit:
+            if explicit or sequence_parallel:
                 raise ValueError(f"tp_fused plan: cannot split {name!r} ({type(child).__name__}): {problem}")
             if kind in ("column", "row"):
                 failed.add(name.rpartition(".")[0])
@@ -162,15 +174,18 @@ def apply_plan(
                 rows.append(Conversion(name, type(getattr(parent, attr)).__name__, "replicated", "partner layer not split"))
             continue
         child = getattr(parent, attr)
+        extra = sp_kwargs.get(name, {})
         if kind == "attention":
-            new = ParallelMultiheadAttention(child, group, **linear_kwargs)
+            new = ParallelMultiheadAttention(child, group, **extra, **linear_kwargs)
             detail = f"{child.num_heads} heads -> {new.local_heads}/rank"
         elif kind == "column":
             gather = parent_name not in parents_with_row
-            new = ColumnParallelLinear.from_linear(child, group, gather_output=gather, **linear_kwargs)
+            if gather and sequence_parallel:
+                raise ValueError(f"sequence_parallel=True: column layer {name!r} has no row-parallel partner in its parent")
+            new = ColumnParallelLinear.from_linear(child, group, gather_output=gather, **extra, **linear_kwargs)
             detail = f"out {child.out_features} -> {new.out_per_rank}/rank" + (", gathered" if gather else "")
         else:
-            new = RowParallelLinear.from_linear(child, group, input_is_parallel=True, **linear_kwargs)
+            new = RowParallelLinear.from_linear(child, group, input_is_parallel=True, **extra, **linear_kwargs)
             detail = f"in {child.in_features} -> {new.in_per_rank}/rank"
         setattr(parent, attr, new)
         converted_parents[parent_name] = parent
@@ -187,6 +202,11 @@ def apply_plan(
                 if value % tp:
                     raise ValueError(f"{parent_name or 'model'}.{attr}={value} is not divisible by tensor_parallel_size={tp}")
                 setattr(parent, attr, value // tp)
+    if sequence_parallel:
+        install_boundaries(module, runs, group)
+        for run in runs:
+            rows.append(Conversion(run.container, "blocks", "seq-split",
+                                   f"{len(run.names)} block(s), sequence dim {run.seq_dim} split between them"))
     failed_rows = [r for r in rows if r.kind == "replicated"]
     for r in failed_rows:
         warnings.warn(f"tp_fused: {r.name} ({r.original}) stays replicated: {r.detail}", UserWarning, stacklevel=2)

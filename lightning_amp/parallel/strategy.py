@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from lightning_amp.parallel.groups import ParallelGroups, build_groups, validate_sizes
 from lightning_amp.parallel.main_grad import MainGradBuffer, clip_grad_norm_
+from lightning_amp.parallel.sequence import validate_sequence_dim
 from lightning_amp.parallel.plan import apply_plan, format_table, gathered_state_dict, load_gathered_state_dict, validate_plan
 
 
@@ -36,8 +37,14 @@ class TensorParallelStrategy(DDPStrategy):
     Args:
         tensor_parallel_size: ranks per TP group; ``"auto"`` = all devices of a node. Must divide
             the devices per node; ``tensor_parallel_size x dp = world size``.
-        sequence_parallel: not supported by the automatic plan yet (the layers support it; use
-            them directly); True raises ValueError.
+        sequence_parallel: Megatron sequence parallelism inside the planned blocks (entries of an
+            ``nn.ModuleList``/``nn.Sequential`` holding the converted layers): activations between
+            the parallel layers are split along the sequence over TP, full again after the last
+            block (see :mod:`~lightning_amp.parallel.sequence`). Models whose layers are not in such
+            blocks raise ValueError at setup.
+        sequence_dim: sequence dim of the blocks' hidden states, 0 (``[s, b, h]``) or 1 (``[b, s, h]``);
+            ``None`` infers it from ``nn.TransformerEncoderLayer``/``DecoderLayer.batch_first`` (other
+            blocks then raise ValueError asking for it).
         gradient_accumulation_fusion: parallel Linear weight grads go straight into ``main_grad``.
         async_grad_allreduce: overlap the input-gradient all-reduce with the weight-gradient GEMM.
         plan: ``"auto"`` or ``{"glob.of.module.names": "column" | "row" | "replicate"}``.
@@ -49,7 +56,10 @@ class TensorParallelStrategy(DDPStrategy):
     On CUDA the launcher sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (inherited by every rank) so that the
     asynchronous input-gradient all-reduce is queued before the weight-gradient GEMM and overlaps it.
     The training sampler is distributed over the DP ranks only (TP ranks see the same batches).
-    Loading a checkpoint: weights and optimizer state are resharded to the current TP size.
+    Loading a checkpoint: weights and optimizer state are resharded to the current TP size. Under
+    O2 master weights the checkpoint holds the gathered fp32 *master* values of every param (sharded
+    ones included) and resuming restores them into the masters, so a resumed run is bitwise the
+    uninterrupted one.
     """
 
     strategy_name = "tp_fused"
@@ -62,6 +72,7 @@ class TensorParallelStrategy(DDPStrategy):
         async_grad_allreduce: bool = True,
         plan: Union[str, Mapping[str, str]] = "auto",
         process_group_backend: Optional[str] = None,
+        sequence_dim: Optional[int] = None,
         bucket_numel: int = 2**22,
         overlap_grad_reduce: bool = True,
         **ddp_kwargs: Any,
@@ -74,17 +85,14 @@ class TensorParallelStrategy(DDPStrategy):
                             ("async_grad_allreduce", async_grad_allreduce), ("overlap_grad_reduce", overlap_grad_reduce)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
-        if sequence_parallel:
-            raise ValueError(
-                "sequence_parallel=True is not supported by the tp_fused automatic plan yet; build the model with "
-                "ColumnParallelLinear/RowParallelLinear(sequence_parallel=True) and the comm.py regions instead"
-            )
+        validate_sequence_dim(sequence_dim)
         if not isinstance(bucket_numel, int) or bucket_numel < 1:
             raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
         validate_plan(plan)
         super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
         self._tp_size_arg = tensor_parallel_size
         self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.async_grad_allreduce = async_grad_allreduce
         self.plan = plan
@@ -141,6 +149,8 @@ class TensorParallelStrategy(DDPStrategy):
                 self.model,
                 self.groups.tp_group,
                 self.plan,
+                sequence_parallel=self.sequence_parallel,
+                sequence_dim=self.sequence_dim,
                 gradient_accumulation_fusion=self.gradient_accumulation_fusion,
                 async_grad_allreduce=self.async_grad_allreduce,
             )
@@ -166,6 +176,7 @@ class TensorParallelStrategy(DDPStrategy):
             )
             self._patch_gradient_clipping()
             self._mark_master_params()
+            self._patch_master_loading()
 
     def _mark_master_params(self) -> None:
         """fp32 masters made by the precision plugin (O2) inherit the sharding marks of their model params,
@@ -254,8 +265,52 @@ class TensorParallelStrategy(DDPStrategy):
         assert self.lightning_module is not None
         if not self._converted:
             return self.lightning_module.state_dict()
-        state = gathered_state_dict(self.lightning_module)
+        with self._params_hold_masters():  # O2: the fp32 masters' values, gathered (exact resume)
+            state = gathered_state_dict(self.lightning_module)
         return {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in state.items()}
+
+    def _master_pairs(self) -> list:
+        pairs = []
+        for state in getattr(self.precision_plugin, "_states", None) or []:
+            masters = getattr(state, "masters", None)
+            pairs += list(getattr(masters, "pairs", None) or [])
+        return pairs
+
+    @contextmanager
+    def _params_hold_masters(self, masters: Optional[list] = None) -> Generator:
+        """While active, every model param whose optimizer steps an fp32 master holds that master's data
+        (or, given ``masters``, those tensors) so the gather/slice code of the plan handles them."""
+        pairs = self._master_pairs()
+        saved = [half.data for half, _ in pairs]
+        try:
+            for i, (half, master) in enumerate(pairs):
+                half.data = master.data if masters is None else masters[i]
+            yield pairs
+        finally:
+            for (half, _), data in zip(pairs, saved):
+                half.data = data
+
+    def _patch_master_loading(self) -> None:
+        """O2 resume: the plugin restores only masters whose checkpoint entry has the local shape; the
+        masters of sharded params take this rank's slice of the gathered fp32 values afterwards."""
+        plugin = self.precision_plugin
+        original = plugin.on_load_checkpoint
+
+        def on_load_checkpoint(checkpoint: dict) -> None:
+            original(checkpoint)
+            model_state = checkpoint.get("state_dict")
+            pairs = self._master_pairs()
+            if not pairs or not isinstance(model_state, dict):
+                return
+            scratch = [torch.empty(master.shape, dtype=torch.float32, device=master.device) for _, master in pairs]
+            with self._params_hold_masters(scratch):
+                load_gathered_state_dict(self.lightning_module, model_state, strict=False)
+            with torch.no_grad():
+                for (half, master), value in zip(pairs, scratch):
+                    if getattr(half, "tensor_model_parallel", False):
+                        master.copy_(value)
+
+        plugin.on_load_checkpoint = on_load_checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
