@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -19,6 +18,7 @@ import bert_sentiment  # noqa: E402
 import feedforward_rossmann  # noqa: E402
 import unet_segmentation  # noqa: E402
 from _common import make_trainer, precision_plugins  # noqa: E402
+from _net import free_port
 
 MODULES = {"feedforward": feedforward_rossmann, "unet": unet_segmentation, "bert": bert_sentiment}
 LEVELS = ("fp32", "O0", "O1", "O2", "O3")
@@ -183,15 +183,10 @@ def test_script_runs_alone_with_the_documented_command():
     assert "step     4" in result.stdout and "train_loss=" in result.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_bert_example_runs_tensor_parallel_on_two_processes():
-    env = _single_thread_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = _single_thread_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     command = [sys.executable, str(EXAMPLES / "bert_sentiment.py"), "--opt-level", "O2", "--dtype", "bfloat16",
                "--max-steps", "3", "--size", "tiny", "--log-every", "1", "--accelerator", "cpu",
                "--strategy", "tp_fused", "--devices", "2"]

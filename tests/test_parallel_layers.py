@@ -1,5 +1,4 @@
 """Column/RowParallelLinear and the comm pairs on 2 real gloo ranks vs a full nn.Linear (fp64 reference)."""
-import socket
 
 import warnings
 
@@ -11,14 +10,10 @@ from torch import nn
 
 from lightning_amp.parallel import ParallelMultiheadAttention, apply_plan, comm
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from _net import free_port
 
 WORLD = 2
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_on_two_ranks(fn, *args):

@@ -1,6 +1,5 @@
 """MainGradBuffer on 2 real gloo ranks (DP=2): fp32 main_grad views, hooks, bucketed/overlapped all-reduce,
 params used twice or not at all, accumulation, and the TP-aware grad norm."""
-import socket
 
 import torch
 import torch.distributed as dist
@@ -10,12 +9,8 @@ from torch import nn
 from lightning_amp.parallel import ColumnParallelLinear, MainGradBuffer, RowParallelLinear, clip_grad_norm_, tp_grad_norm
 from lightning_amp.parallel import comm
 from lightning_amp.parallel.main_grad import mark_sequence_parallel
+from _net import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Net(nn.Module):

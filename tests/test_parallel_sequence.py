@@ -3,7 +3,6 @@ converted models vs the unconverted fp32 model (outputs, input grads, every para
 vs 1 device step by step, and the errors for models it cannot handle. Also: exact O2 resume at TP=2."""
 import json
 import os
-import socket
 
 import lightning.pytorch as pl
 import pytest
@@ -18,14 +17,10 @@ from lightning_amp.parallel import apply_plan
 from lightning_amp.parallel.main_grad import MainGradBuffer
 from lightning_amp.parallel.plan import gathered_state_dict
 from lightning_amp.parallel.strategy import TensorParallelStrategy
+from _net import free_port
 
 VOCAB, SEQ, D, HEADS, FF = 20, 6, 16, 4, 24
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Attention(nn.Module):

@@ -2,7 +2,6 @@
 checkpoints across TP sizes, plan coverage and error messages."""
 import json
 import os
-import socket
 
 import lightning.pytorch as pl
 import pytest
@@ -14,14 +13,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import ColumnParallelLinear, ParallelMultiheadAttention, RowParallelLinear, apply_plan
 from lightning_amp.parallel.strategy import TensorParallelStrategy
+from _net import free_port
 
 VOCAB, SEQ, D, HEADS, FF = 24, 6, 16, 4, 32
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TinyTransformer(pl.LightningModule):
