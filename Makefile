@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # CPU machines take the local torch 2.13.0 CPU wheel; a machine that already has a torch in
-# .venv (e.g. a CUDA build on a GPU machine) keeps it.
+# .venv (e.g. a CUDA build on a GPU machine) keeps it. setup.py adds the CUDA kernels when that
+# torch is a CUDA build and nvcc is found (PATH or CUDA_HOME).
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.lightning-amp-installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h csrc/cuda/*.cpp)
@@ -20,11 +21,13 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q setuptools wheel pybind11 ninja
 	# --no-build-isolation: build against the torch in .venv, never pull another torch build.
 	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
-	$(PY) -c "import lightning_amp.ops as o; print('lightning_amp backend:', o.backend('cpu'))"
+	$(PY) -c "import lightning_amp.ops as o; print('lightning_amp backend: cpu', o.backend('cpu'), '/ cuda', o.backend('cuda'))"
 	touch $(STAMP)
 
+# LIGHTNING_AMP_REQUIRE_EXT=1: a compiled extension that does not load (or lacks CUDA kernels on a
+# GPU machine) fails the run instead of skipping every compiled-kernel test.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	LIGHTNING_AMP_REQUIRE_EXT=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 bench: install
 	$(VENV)/bin/lightning-amp bench --out bench-out

@@ -9,8 +9,14 @@ machine that runs it, so by default they are compiled for the widest vector ISA 
 machine offers (AVX-512 or AVX2, as ATen's own per-capability kernels are);
 ``LIGHTNING_AMP_PORTABLE=1`` builds baseline x86-64 code instead (for a wheel meant to be
 copied to other machines).
+
+cuBLAS headers and library come from the CUDA toolkit when it has them; a toolkit that ships
+only nvcc (e.g. a CI machine without a GPU) is completed by the ``nvidia-*`` wheels that the CUDA
+build of torch installed (``site-packages/nvidia/cu13`` or ``nvidia/cublas``). Those headers are
+searched after the toolkit's (``-idirafter``), so the toolkit always wins where it has a header.
 """
 import glob
+import importlib.util
 import os
 
 import platform
@@ -35,6 +41,21 @@ def _cpu_vector_flags():
     return []
 
 
+def _nvidia_wheel_cublas(cuda_home):
+    """(include dir, library dir, soname) of cuBLAS from torch's nvidia wheels, or None when
+    the toolkit at cuda_home has cuBLAS itself (or no wheel provides it)."""
+    if os.path.exists(os.path.join(cuda_home, "include", "cublas_v2.h")):
+        return None
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cu13", "cu12", "cublas"):
+            inc, lib = os.path.join(root, sub, "include"), os.path.join(root, sub, "lib")
+            libs = sorted(glob.glob(os.path.join(lib, "libcublas.so.*")))
+            if os.path.exists(os.path.join(inc, "cublas_v2.h")) and libs:
+                return inc, lib, os.path.basename(libs[0])
+    return None
+
+
 def _extensions():
     if os.environ.get("LIGHTNING_AMP_NO_EXT") == "1":
         return [], {}
@@ -50,14 +71,22 @@ def _extensions():
     cxx = ["-O3", "-std=c++17", "-fopenmp"] + _cpu_vector_flags()
     include_dirs = [os.path.join(here, "csrc")]
     if with_cuda:
+        # No --use_fast_math: the inf/nan checks of the multi-tensor kernels must see inf and nan.
+        nvcc = ["-O3", "-std=c++17"]
+        link = {"libraries": ["cublas"]}
+        wheel = _nvidia_wheel_cublas(cpp_extension.CUDA_HOME)
+        if wheel is not None:
+            inc, lib, soname = wheel
+            cxx = cxx + ["-idirafter", inc]
+            nvcc = nvcc + ["-Xcompiler", f"-idirafter{inc}"]
+            link = {"library_dirs": [lib], "extra_link_args": [f"-l:{soname}"]}
         ext = cpp_extension.CUDAExtension(
             "lightning_amp._C",
             sources + cuda_sources,
             include_dirs=include_dirs,
             define_macros=[("WITH_CUDA", None)],
-            # No --use_fast_math: the inf/nan checks of the multi-tensor kernels must see inf and nan.
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]},
-            libraries=["cublas", "cublasLt"],
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            **link,
         )
     else:
         ext = cpp_extension.CppExtension("lightning_amp._C", sources, include_dirs=include_dirs, extra_compile_args=cxx)

@@ -25,12 +25,13 @@ namespace {
 at::Tensor as_rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}).contiguous(); }
 
 void check_wgrad(const char* op, const at::Tensor& input, const at::Tensor& grad_output, const at::Tensor& main_grad) {
+  LAMP_CHECK_KERNEL_DEVICE(op, "main_grad", main_grad);
+  LAMP_CHECK_SAME_DEVICE(op, "input", input, "main_grad", main_grad);
+  LAMP_CHECK_SAME_DEVICE(op, "grad_output", grad_output, "main_grad", main_grad);
   LAMP_CHECK_FLOAT_LIKE(op, "input", input);
   LAMP_CHECK_FLOAT_LIKE(op, "grad_output", grad_output);
   TORCH_CHECK_TYPE(input.scalar_type() == grad_output.scalar_type(), op, ": input (", input.scalar_type(),
                    ") and grad_output (", grad_output.scalar_type(), ") must share a dtype");
-  LAMP_CHECK_SAME_DEVICE(op, "input", input, "main_grad", main_grad);
-  LAMP_CHECK_SAME_DEVICE(op, "grad_output", grad_output, "main_grad", main_grad);
   TORCH_CHECK_VALUE(main_grad.dim() == 2, op, ": main_grad must be 2-D [out, in], got shape ", main_grad.sizes());
   TORCH_CHECK_VALUE(input.dim() >= 1 && grad_output.dim() >= 1, op, ": input and grad_output need at least 1 dim");
   TORCH_CHECK_VALUE(input.sizes().slice(0, input.dim() - 1) == grad_output.sizes().slice(0, grad_output.dim() - 1),
@@ -55,7 +56,7 @@ void wgrad_dispatch(const at::Tensor& input, const at::Tensor& grad_output, at::
     return;
   }
 #endif
-  TORCH_CHECK_VALUE(false, "wgrad_gemm_accum: no kernel for device ", main_grad.device());
+  TORCH_CHECK_VALUE(false, "wgrad_gemm_accum: no kernel for device ", main_grad.device());  // unreachable: checked
 }
 
 void wgrad_gemm_accum_fp32(const at::Tensor& input, const at::Tensor& grad_output, at::Tensor& main_grad) {
@@ -73,14 +74,14 @@ void wgrad_gemm_accum_fp16(const at::Tensor& input, const at::Tensor& grad_outpu
   wgrad_dispatch(input, grad_output, main_grad);
 }
 
-// Common checks of a tensor list: float-like dtypes, contiguous, all on `device`.
+// Common checks of a tensor list: all on `device` (checked to have kernels), float-like, contiguous.
 void check_list(const char* op, const char* name, const std::vector<at::Tensor>& ts, const at::Device& device) {
   for (size_t i = 0; i < ts.size(); ++i) {
     const at::Tensor& t = ts[i];
     const std::string what = std::string(name) + "[" + std::to_string(i) + "]";
-    LAMP_CHECK_FLOAT_LIKE(op, what, t);
-    TORCH_CHECK_VALUE(t.device() == device, op, ": ", what, " is on ", t.device(), " but ", name, "[0] is on ",
+    TORCH_CHECK_VALUE(t.device() == device, op, ": ", what, " is on ", t.device(), " but the first tensor is on ",
                       device, " (all tensors must share one device)");
+    LAMP_CHECK_FLOAT_LIKE(op, what, t);
     LAMP_CHECK_CONTIGUOUS(op, what, t);
   }
 }
@@ -90,37 +91,36 @@ at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vec
   const char* op = "multi_tensor_scale";
   TORCH_CHECK_VALUE(src.size() == dst.size(), op, ": src and dst must have equal length, got ", src.size(), " and ",
                     dst.size());
-  const at::Device device = src.empty() ? found_inf.device() : src[0].device();
+  LAMP_CHECK_NOT_EMPTY(op, "src", src);
+  LAMP_CHECK_KERNEL_DEVICE(op, "src[0]", src[0]);
+  const at::Device device = src[0].device();
   check_list(op, "src", src, device);
   check_list(op, "dst", dst, device);
+  TORCH_CHECK_VALUE(found_inf.device() == device, op, ": found_inf is on ", found_inf.device(),
+                    " but the tensors are on ", device);
+  LAMP_CHECK_DTYPE(op, "found_inf", found_inf, at::kFloat);
+  TORCH_CHECK_VALUE(found_inf.numel() == 1, op, ": found_inf must hold one element, got shape ", found_inf.sizes());
   for (size_t i = 0; i < src.size(); ++i) {
     TORCH_CHECK_VALUE(src[i].sizes() == dst[i].sizes(), op, ": src[", i, "] shape ", src[i].sizes(), " != dst[", i,
                       "] shape ", dst[i].sizes());
   }
-  LAMP_CHECK_DTYPE(op, "found_inf", found_inf, at::kFloat);
-  TORCH_CHECK_VALUE(found_inf.numel() == 1, op, ": found_inf must hold one element, got shape ", found_inf.sizes());
-  TORCH_CHECK_VALUE(found_inf.device() == device, op, ": found_inf is on ", found_inf.device(),
-                    " but the tensors are on ", device);
-  if (device.is_cpu()) return cpu::multi_tensor_scale(src, dst, scale, found_inf);
 #ifdef WITH_CUDA
   if (device.is_cuda()) return cuda::multi_tensor_scale(src, dst, scale, found_inf);
 #endif
-  TORCH_CHECK_VALUE(false, op, ": no kernel for device ", device);
+  return cpu::multi_tensor_scale(src, dst, scale, found_inf);
 }
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors, bool per_tensor) {
   (void)per_tensor;  // per-tensor norms come for free from the same pass; always returned
   const char* op = "multi_tensor_l2norm";
-  if (tensors.empty()) {
-    return {at::zeros({}, at::TensorOptions().dtype(at::kFloat)), at::zeros({0}, at::TensorOptions().dtype(at::kFloat))};
-  }
+  LAMP_CHECK_NOT_EMPTY(op, "tensors", tensors);
+  LAMP_CHECK_KERNEL_DEVICE(op, "tensors[0]", tensors[0]);
   const at::Device device = tensors[0].device();
   check_list(op, "tensors", tensors, device);
-  if (device.is_cpu()) return cpu::multi_tensor_l2norm(tensors);
 #ifdef WITH_CUDA
   if (device.is_cuda()) return cuda::multi_tensor_l2norm(tensors);
 #endif
-  TORCH_CHECK_VALUE(false, op, ": no kernel for device ", device);
+  return cpu::multi_tensor_l2norm(tensors);
 }
 
 }  // namespace

@@ -17,6 +17,21 @@ inline bool is_float_like(at::ScalarType t) {
 
 inline bool is_half_like(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
+// Whether this build has kernels for tensors on d: CPU always, CUDA when built WITH_CUDA.
+inline bool has_kernels_for(const at::Device& d) {
+#ifdef WITH_CUDA
+  return d.is_cpu() || d.is_cuda();
+#else
+  return d.is_cpu();
+#endif
+}
+
+#ifdef WITH_CUDA
+constexpr const char* kKernelDevices = "cpu and cuda";
+#else
+constexpr const char* kKernelDevices = "cpu only (built without CUDA)";
+#endif
+
 }  // namespace lamp
 
 // dtype must be float32 / float16 / bfloat16.
@@ -24,21 +39,25 @@ inline bool is_half_like(at::ScalarType t) { return t == at::kHalf || t == at::k
   TORCH_CHECK_TYPE(::lamp::is_float_like((t).scalar_type()), op, ": ", name,                              \
                    " must be float32, float16 or bfloat16, got ", (t).scalar_type())
 
+// Checked first, before any data pointer, stream or kernel is touched (meta tensors have no data).
+#define LAMP_CHECK_KERNEL_DEVICE(op, name, t)                                                           \
+  TORCH_CHECK_VALUE(::lamp::has_kernels_for((t).device()), op, ": ", name, " is on ", (t).device(),     \
+                    ", but this build has kernels for ", ::lamp::kKernelDevices)
+
+#define LAMP_CHECK_NOT_EMPTY(op, name, list)                                                             \
+  TORCH_CHECK_VALUE(!(list).empty(), op, ": ", name, " is empty (give at least one tensor)")
+
 #define LAMP_CHECK_DTYPE(op, name, t, dtype)                                                             \
   TORCH_CHECK_TYPE((t).scalar_type() == (dtype), op, ": ", name, " must be ", (dtype), ", got ",          \
                    (t).scalar_type())
 
 #define LAMP_CHECK_SAME_DEVICE(op, name_a, a, name_b, b)                                                 \
-  TORCH_CHECK_VALUE((a).device() == (b).device(), op, ": ", name_a, " (", (a).device(), ") and ", name_b, \
-                    " (", (b).device(), ") must be on the same device")
+  TORCH_CHECK_VALUE((a).device() == (b).device(), op, ": ", name_a, " is on ", (a).device(), " but ", name_b, \
+                    " is on ", (b).device(), " (all tensors must share one device)")
 
 #define LAMP_CHECK_CONTIGUOUS(op, name, t)                                                               \
   TORCH_CHECK_VALUE((t).is_contiguous(), op, ": ", name, " must be contiguous (got strides ",             \
                     (t).strides(), ")")
-
-#define LAMP_CHECK_DEVICE_TYPE(op, name, t, kind)                                                        \
-  TORCH_CHECK_VALUE((t).device().type() == (kind), op, ": ", name, " must be on a ", (kind),              \
-                    " device, got ", (t).device())
 
 // A size handed to a 32-bit-int BLAS interface (MKL LP64, cuBLAS int) must fit.
 #define LAMP_CHECK_FITS_INT32(op, what, v)                                                               \

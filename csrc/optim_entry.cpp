@@ -19,9 +19,9 @@ std::string at_index(const char* name, size_t i) { return std::string(name) + "[
 
 void check_flag(const char* op, const char* name, const OptTensor& t, const at::Device& device) {
   if (!t.has_value()) return;
+  TORCH_CHECK_VALUE(t->device() == device, op, ": ", name, " is on ", t->device(), " but the params are on ", device);
   TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->numel() == 1, op, ": ", name,
                    " must be a one-element float32 tensor, got shape ", t->sizes(), " ", t->scalar_type());
-  TORCH_CHECK_VALUE(t->device() == device, op, ": ", name, " is on ", t->device(), " but the params are on ", device);
 }
 
 // Checks the lists shared by every optimizer and returns the params' device.
@@ -38,17 +38,18 @@ at::Device check_lists(const char* op, const TensorList& params, const TensorLis
   if (steps != nullptr) check_len("steps", *steps);
   TORCH_CHECK_VALUE(copies.empty() || copies.size() == n, op, ": model_copies has ", copies.size(),
                     " tensors but params has ", n, " (give none or one per param)");
-  if (n == 0) return at::Device(at::kCPU);
+  LAMP_CHECK_NOT_EMPTY(op, "params", params);
+  LAMP_CHECK_KERNEL_DEVICE(op, "params[0]", params[0]);
   const at::Device device = params[0].device();
   const at::ScalarType pdtype = params[0].scalar_type();
   const at::ScalarType gdtype = grads[0].scalar_type();
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     const std::string pn = at_index("params", i);
+    TORCH_CHECK_VALUE(p.device() == device, op, ": ", pn, " is on ", p.device(), " but params[0] is on ", device);
     LAMP_CHECK_FLOAT_LIKE(op, pn, p);
     TORCH_CHECK_TYPE(p.scalar_type() == pdtype, op, ": params must share one dtype, ", pn, " is ", p.scalar_type(),
                      " but params[0] is ", pdtype);
-    TORCH_CHECK_VALUE(p.device() == device, op, ": ", pn, " is on ", p.device(), " but params[0] is on ", device);
     LAMP_CHECK_CONTIGUOUS(op, pn, p);
     auto check_like = [&](const std::string& name, const at::Tensor& t) {
       TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but ", pn, " is on ", device);
@@ -57,6 +58,8 @@ at::Device check_lists(const char* op, const TensorList& params, const TensorLis
       LAMP_CHECK_CONTIGUOUS(op, name, t);
     };
     const std::string gn = at_index("grads", i);
+    TORCH_CHECK_VALUE(grads[i].device() == device, op, ": ", gn, " is on ", grads[i].device(), " but ", pn,
+                      " is on ", device);
     LAMP_CHECK_FLOAT_LIKE(op, gn, grads[i]);
     TORCH_CHECK_TYPE(grads[i].scalar_type() == gdtype, op, ": grads must share one dtype, ", gn, " is ",
                      grads[i].scalar_type(), " but grads[0] is ", gdtype);
@@ -64,17 +67,22 @@ at::Device check_lists(const char* op, const TensorList& params, const TensorLis
     for (const auto& s : state) {
       const std::string sn = at_index(s.first, i);
       const at::Tensor& t = (*s.second)[i];
+      TORCH_CHECK_VALUE(t.device() == device, op, ": ", sn, " is on ", t.device(), " but ", pn, " is on ", device);
       TORCH_CHECK_TYPE(t.scalar_type() == pdtype, op, ": ", sn, " must have its param's dtype ", pdtype, ", got ",
                        t.scalar_type());
       check_like(sn, t);
     }
     if (steps != nullptr) {
       const at::Tensor& s = (*steps)[i];
-      TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat && s.numel() == 1 && s.device() == device, op, ": ",
-                       at_index("steps", i), " must be a one-element float32 tensor on ", device);
+      TORCH_CHECK_VALUE(s.device() == device, op, ": ", at_index("steps", i), " is on ", s.device(), " but ", pn,
+                        " is on ", device);
+      TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat && s.numel() == 1, op, ": ", at_index("steps", i),
+                       " must be a one-element float32 tensor, got shape ", s.sizes(), " ", s.scalar_type());
     }
     if (!copies.empty()) {
       const std::string cn = at_index("model_copies", i);
+      TORCH_CHECK_VALUE(copies[i].device() == device, op, ": ", cn, " is on ", copies[i].device(), " but ", pn,
+                        " is on ", device);
       TORCH_CHECK_TYPE(pdtype == at::kFloat, op, ": with model_copies the params are fp32 masters, got ", pdtype);
       TORCH_CHECK_TYPE(is_half_like(copies[i].scalar_type()), op, ": ", cn, " must be float16 or bfloat16, got ",
                        copies[i].scalar_type());
@@ -85,10 +93,6 @@ at::Device check_lists(const char* op, const TensorList& params, const TensorLis
   }
   check_flag(op, "grad_scale", grad_scale, device);
   check_flag(op, "found_inf", found_inf, device);
-  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), op, ": no kernel for device ", device);
-#ifndef WITH_CUDA
-  TORCH_CHECK_VALUE(device.is_cpu(), op, ": this build has no CUDA kernels (device ", device, ")");
-#endif
   return device;
 }
 
@@ -103,7 +107,6 @@ void multi_tensor_adam(const TensorList& params, const TensorList& grads, const 
   if (!max_exp_avg_sqs.empty()) state.push_back({"max_exp_avg_sqs", &max_exp_avg_sqs});
   const at::Device device =
       check_lists("multi_tensor_adam", params, grads, state, &steps, model_copies, grad_scale, found_inf);
-  if (params.empty()) return;
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, adam_w_mode,
                     bias_correction};
   if (device.is_cpu()) return cpu::fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
@@ -126,7 +129,6 @@ void multi_tensor_sgd(const TensorList& params, const TensorList& grads, const T
   }
   const at::Device device =
       check_lists("multi_tensor_sgd", params, grads, state, nullptr, model_copies, grad_scale, found_inf);
-  if (params.empty()) return;
   const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, first_run};
   if (device.is_cpu()) return cpu::fused_sgd(params, grads, momentum_buffers, model_copies, h, grad_scale, found_inf);
 #ifdef WITH_CUDA
@@ -141,7 +143,6 @@ void multi_tensor_adadelta(const TensorList& params, const TensorList& grads, co
   const std::vector<NamedList> state = {{"square_avgs", &square_avgs}, {"acc_deltas", &acc_deltas}};
   const at::Device device =
       check_lists("multi_tensor_adadelta", params, grads, state, &steps, model_copies, grad_scale, found_inf);
-  if (params.empty()) return;
   const AdadeltaHyper h{lr, rho, eps, weight_decay};
   if (device.is_cpu())
     return cpu::fused_adadelta(params, grads, square_avgs, acc_deltas, steps, model_copies, h, grad_scale, found_inf);
@@ -158,7 +159,6 @@ void multi_tensor_lamb(const TensorList& params, const TensorList& grads, const 
   const std::vector<NamedList> state = {{"exp_avgs", &exp_avgs}, {"exp_avg_sqs", &exp_avg_sqs}};
   const at::Device device =
       check_lists("multi_tensor_lamb", params, grads, state, &steps, model_copies, grad_scale, found_inf);
-  if (params.empty()) return;
   check_flag("multi_tensor_lamb", "global_grad_norm", global_grad_norm, device);
   const LambHyper h{lr, beta1, beta2, eps, weight_decay, max_grad_norm,
                     bias_correction, grad_averaging, adam_w_mode, use_nvlamb};

@@ -129,6 +129,10 @@ def _info() -> int:
     from lightning_amp import ops
 
     print(f"lightning-amp {lightning_amp.__version__}, torch {torch.__version__}")
+    if ops.extension_error() is None:
+        print(f"compiled extension: loaded from {ops.extension_path()}")
+    else:
+        print(f"compiled extension: NOT in use: {ops.extension_error()}")
     print(f"cpu backend: {ops.backend('cpu')}; cpu threads: {torch.get_num_threads()}; "
           f"cpu bf16 instructions: {_cpu_bf16_flags()}")
     if torch.cuda.is_available():

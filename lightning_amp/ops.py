@@ -1,9 +1,17 @@
 """The one door to the compiled core ``lightning_amp._C``.
 
 Every op here dispatches to the compiled extension when it is built for the tensors'
-device and falls back to a pure-PyTorch implementation otherwise (one warning, never an
-ImportError). ``LIGHTNING_AMP_DISABLE_EXT=1`` forces the fallback everywhere, so tests can
-compare both paths. ``backend(device)`` tells which one is in use.
+device and falls back to a pure-PyTorch implementation otherwise. The fallback is loud: a
+RuntimeWarning at import names why the extension is not in use (not built, or built but
+failing to load, with the loader's error), and ``lightning-amp info`` prints it.
+Environment switches (read once, at import):
+
+* ``LIGHTNING_AMP_DISABLE_EXT=1`` forces the fallback everywhere (tests compare both paths);
+  it wins over the next one.
+* ``LIGHTNING_AMP_REQUIRE_EXT=1`` turns the fallback into an ImportError: the extension must
+  load, and must have CUDA kernels when torch sees a CUDA device (CI and GPU checks set it).
+
+``backend(device)`` tells which implementation serves a device.
 
 Conventions shared by all ops:
 
@@ -18,6 +26,7 @@ The pure-PyTorch implementations are also reachable as private functions
 """
 from __future__ import annotations
 
+import glob
 import importlib
 import os
 import warnings
@@ -30,21 +39,37 @@ _EXT = None
 _EXT_ERROR: Optional[str] = None
 
 
-def _load_extension():
+def _built_extension_files() -> list:
+    """Compiled ``_C`` files next to this module (present = built, whether or not it loads)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return sorted(glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")))
+
+
+def _load_extension() -> None:
     global _EXT, _EXT_ERROR
     if os.environ.get("LIGHTNING_AMP_DISABLE_EXT") == "1":
         _EXT_ERROR = "disabled by LIGHTNING_AMP_DISABLE_EXT=1"
         return
+    required = os.environ.get("LIGHTNING_AMP_REQUIRE_EXT") == "1"
     try:
         _EXT = importlib.import_module("lightning_amp._C")
-    except ImportError as err:  # the package must keep working without the build
-        _EXT_ERROR = str(err)
+    except ImportError as err:  # the package keeps working without the build, loudly
+        built = _built_extension_files()
+        _EXT_ERROR = (f"{os.path.basename(built[0])} is built but failed to load: {err}" if built
+                      else f"not built ({err})")
+        if required:
+            raise ImportError(f"lightning_amp: LIGHTNING_AMP_REQUIRE_EXT=1 but the compiled extension "
+                              f"lightning_amp._C is {_EXT_ERROR}") from err
         warnings.warn(
-            f"lightning_amp: compiled extension unavailable ({err}); using the pure-PyTorch fallback ops. "
-            "Reinstall with `make install` to build it.",
+            f"lightning_amp: compiled extension lightning_amp._C {_EXT_ERROR}; using the pure-PyTorch "
+            "fallback ops. Rebuild with `make install` (or `pip install --no-build-isolation -e .`).",
             RuntimeWarning,
             stacklevel=3,
         )
+        return
+    if required and not _EXT.WITH_CUDA and torch.cuda.is_available():
+        raise ImportError("lightning_amp: LIGHTNING_AMP_REQUIRE_EXT=1 but lightning_amp._C was built without CUDA "
+                          "kernels on a machine with a CUDA device (rebuild with nvcc on PATH / CUDA_HOME set)")
 
 
 _load_extension()
@@ -53,6 +78,11 @@ _load_extension()
 def extension_error() -> Optional[str]:
     """Why the compiled extension is not in use, or None when it is loaded."""
     return _EXT_ERROR
+
+
+def extension_path() -> Optional[str]:
+    """The file the compiled extension was loaded from, or None when it is not loaded."""
+    return getattr(_EXT, "__file__", None)
 
 
 def _ext_for(device: torch.device | str):
@@ -112,15 +142,41 @@ def _check_wgrad_args(input: Tensor, grad_output: Tensor, main_grad: Tensor, mai
         raise ValueError("wgrad_gemm_accum: main_grad must be contiguous (it is accumulated in place)")
 
 
+def _mm_has_out_dtype() -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` takes 16-bit operands (a 16-bit GEMM
+    with fp32 accumulation and an fp32 result; CUDA kernels only, probed on meta tensors)."""
+    a = torch.empty(2, 2, dtype=torch.bfloat16, device="meta")
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+_MM_OUT_DTYPE = _mm_has_out_dtype()
+
+
+def _product_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` as an fp32 tensor with fp32 accumulation and no rounding of the result to 16 bits.
+
+    CUDA runs the 16-bit GEMM at its own speed (``out_dtype=torch.float32``); elsewhere the
+    operands are upcast (exact) and multiplied in fp32.
+    """
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 def _wgrad_fallback(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
-    """Pure-PyTorch ``main_grad += grad_output^T @ input``: upcasts both operands and builds
-    the full fp32 product (a temporary of main_grad's size), then adds it; a 16-bit main_grad
-    is rounded once (the add runs in fp32)."""
+    """Pure-PyTorch ``main_grad += grad_output^T @ input``: the fp32 product (a temporary of
+    main_grad's size, see :func:`_product_fp32`), then one add computed in fp32, so a 16-bit
+    main_grad is rounded once per element."""
     inp = input.reshape(-1, input.shape[-1])
     gout = grad_output.reshape(-1, grad_output.shape[-1])
     if inp.numel() == 0 or gout.numel() == 0:
         return
-    main_grad.add_(gout.float().t() @ inp.float())
+    main_grad.add_(_product_fp32(gout.t(), inp))
 
 
 def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
@@ -134,7 +190,7 @@ def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor)
     ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32`` (beta = 1) on CPUs with AMX, else
     by upcasting blocks of token rows to fp32 and ``addmm_`` (faster there; temporaries of a
     few MiB). No path materialises the full product. The fallback (no extension) builds the
-    fp32 product and adds it.
+    fp32 product (on CUDA with the 16-bit GEMM, ``out_dtype=torch.float32``) and adds it.
     """
     _check_wgrad_args(input, grad_output, main_grad, (torch.float32,))
     ext = _ext_for(main_grad.device)
@@ -147,9 +203,10 @@ def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor)
 def wgrad_gemm_accum_fp16(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
     """As :func:`wgrad_gemm_accum_fp32` for a 16-bit ``main_grad`` (fp16/bf16), computed in fp32.
 
-    Each element of ``main_grad`` is rounded once: CPU accumulates row tiles of main_grad in an
-    fp32 scratch tile (16 MiB at most) and rounds it back; CUDA lets cuBLAS write the 16-bit C
-    (fp32 compute) when the operands share main_grad's dtype, else uses an fp32 copy.
+    Each element of ``main_grad`` is rounded once (the result is the 16-bit rounding of the
+    fp32-accumulated sum): CPU and CUDA upcast row tiles of main_grad into an fp32 workspace
+    (16 / 64 MiB at most), accumulate the GEMM into it with beta = 1 and round it back once;
+    the fallback adds the fp32 product in one fp32 add.
     """
     _check_wgrad_args(input, grad_output, main_grad, (torch.float16, torch.bfloat16))
     ext = _ext_for(main_grad.device)
@@ -343,9 +400,33 @@ def _store(dst: Tensor, src_fp32: Tensor) -> None:
         dst.copy_(src_fp32)
 
 
+def _torch_fused_grads(params: Sequence[Tensor], grads: Sequence[Tensor], grad_scale: Optional[Tensor]):
+    """Grads as torch's fused optimizer kernels take them (the params' dtype), or None where they
+    cannot without changing our numerics (grads wider than 16-bit params). Never the caller's
+    tensors when the kernel writes them: given grad_scale, torch's kernels store the unscaled
+    grads back; ours leave grads untouched."""
+    pdtype, gdtype = params[0].dtype, grads[0].dtype
+    if gdtype != pdtype:
+        return [g.to(pdtype) for g in grads] if pdtype == torch.float32 else None
+    return [g.clone() for g in grads] if grad_scale is not None else list(grads)
+
+
 def _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
                    weight_decay, adam_w_mode, bias_correction, grad_scale, found_inf, model_copies) -> None:
+    """torch's own fused Adam/AdamW kernel (same math: fp32 opmath, decoupled or L2 decay, AMSGrad)
+    where it applies (bias correction on, grads convertible), else a per-tensor loop."""
     if _skip(found_inf):
+        return
+    fused_grads = _torch_fused_grads(params, grads, grad_scale) if bias_correction else None
+    if fused_grads is not None:
+        torch._foreach_add_(list(steps), 1.0)  # torch's kernels read the already advanced step
+        fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+        fused(list(params), fused_grads, list(exp_avgs), list(exp_avg_sqs),
+              list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [], list(steps), lr=lr, beta1=beta1,
+              beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=max_exp_avg_sqs is not None, maximize=False,
+              grad_scale=grad_scale)
+        if model_copies is not None:
+            torch._foreach_copy_(list(model_copies), list(params))
         return
     for i, p in enumerate(params):
         g = _unscaled_fp32(grads[i], grad_scale)
@@ -422,7 +503,20 @@ def multi_tensor_adam(
 
 def _sgd_fallback(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, first_run,
                   grad_scale, found_inf, model_copies) -> None:
+    """torch's own fused SGD kernel (torch.optim.SGD semantics) where the grads allow, else a loop.
+
+    Not for 16-bit params on the CPU: torch 2.13's CPU ``_fused_sgd_`` leaves the vectorised part
+    of bf16/fp16 params unchanged (measured: 1000 ones, lr 0.1, grad 1 -> only the tail moves)."""
     if _skip(found_inf):
+        return
+    usable = params[0].dtype == torch.float32 or params[0].is_cuda
+    fused_grads = _torch_fused_grads(params, grads, grad_scale) if usable else None
+    if fused_grads is not None:
+        torch._fused_sgd_(list(params), fused_grads, list(momentum_buffers) if momentum != 0 else [],
+                          weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+                          nesterov=nesterov, maximize=False, is_first_step=first_run, grad_scale=grad_scale)
+        if model_copies is not None:
+            torch._foreach_copy_(list(model_copies), list(params))
         return
     for i, p in enumerate(params):
         g = _unscaled_fp32(grads[i], grad_scale)

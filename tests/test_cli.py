@@ -71,7 +71,7 @@ def _has_colour(pixels: np.ndarray, hex_colour: str) -> bool:
 
 def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
     out = tmp_path / "bench-out"
-    assert cli.main(["bench", "--quick", "--threads", "1", "--out", str(out)]) == 0
+    assert cli.main(["bench", "--quick", "--accelerator", "cpu", "--threads", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "speed-up" in printed and "bert" in printed
 

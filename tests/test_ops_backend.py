@@ -3,6 +3,7 @@
 The environment variable is checked once end to end in a fresh interpreter; the other
 conditions load an independent copy of ops.py in-process (cheaper than a subprocess).
 """
+import glob
 import importlib.util
 import os
 import subprocess
@@ -46,13 +47,35 @@ _WORKLOAD = """
 """
 
 
-def test_backend_names():
-    assert ops.backend("meta") == "torch"
-    assert ops.backend("cpu") == ("cpu-ext" if EXT is not None else "torch")
-    if EXT is not None:
-        assert isinstance(EXT.WITH_CUDA, bool)
-        assert ops.extension_error() is None
-        assert ops.backend("cuda") == ("cuda-ext" if EXT.WITH_CUDA else "torch")
+def _spy_on_ext(monkeypatch):
+    """Record the devices of the tensors each extension call got."""
+    seen = []
+    real = EXT.multi_tensor_l2norm
+
+    def spy(tensors, per_tensor):
+        seen.append(tensors[0].device.type)
+        return real(tensors, per_tensor)
+
+    monkeypatch.setattr(EXT, "multi_tensor_l2norm", spy)
+    return seen
+
+
+DEVICES = ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.skipif(EXT is None, reason="compiled extension not loaded")
+@pytest.mark.parametrize("device", DEVICES)
+def test_backend_names_the_implementation_that_runs(device, monkeypatch):
+    """backend(device) says "<device>-ext" exactly when an op on that device runs the extension."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    seen = _spy_on_ext(monkeypatch)
+    total, _ = ops.multi_tensor_l2norm([torch.ones(4, device=device)])
+    assert total.device.type == device
+    ran_ext = seen == [device]
+    assert ops.backend(device) == (f"{device}-ext" if ran_ext else "torch")
+    assert ran_ext == (device == "cpu" or (device == "cuda" and EXT.WITH_CUDA))
+    assert ops.extension_error() is None and ops.extension_path().endswith(".so")
 
 
 def _fresh_ops_module(name):
@@ -89,16 +112,71 @@ def test_disable_env_var_is_read_at_import(monkeypatch):
     assert "LIGHTNING_AMP_DISABLE_EXT" in probe.extension_error()
 
 
+def test_built_but_unloadable_extension_is_loud(monkeypatch, capsys):
+    """An extension file that exists but does not load: the warning and `lightning-amp info` carry
+    the loader's error; LIGHTNING_AMP_REQUIRE_EXT=1 turns it into an ImportError."""
+    import lightning_amp
+    from lightning_amp import cli
+
+    monkeypatch.delenv("LIGHTNING_AMP_DISABLE_EXT", raising=False)
+    monkeypatch.delenv("LIGHTNING_AMP_REQUIRE_EXT", raising=False)
+    monkeypatch.setitem(sys.modules, "lightning_amp._C", None)  # the import fails as a bad .so would
+    monkeypatch.delattr(lightning_amp, "_C", raising=False)
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/pkg/lightning_amp/_C.cpython-311-x86_64-linux-gnu.so"]
+                        if pattern.endswith(".so") else [])
+    with pytest.warns(RuntimeWarning, match=r"_C\.cpython-311-x86_64-linux-gnu\.so is built but failed to load: "
+                                             r"import of lightning_amp\._C halted"):
+        probe = _fresh_ops_module("lamp_ops_unloadable_probe")
+    assert probe.backend("cpu") == "torch"
+    monkeypatch.setattr(ops, "_EXT", None)
+    monkeypatch.setattr(ops, "_EXT_ERROR", probe.extension_error())
+    assert cli.main(["info"]) == 0
+    assert "compiled extension: NOT in use: _C.cpython-311-x86_64-linux-gnu.so is built but failed to load: import " \
+           "of lightning_amp._C halted" in capsys.readouterr().out
+    monkeypatch.setenv("LIGHTNING_AMP_REQUIRE_EXT", "1")
+    with pytest.raises(ImportError, match=r"LIGHTNING_AMP_REQUIRE_EXT=1 but the compiled extension "
+                                          r"lightning_amp\._C is _C\.cpython-311.*built but failed to load"):
+        _fresh_ops_module("lamp_ops_required_probe")
+
+
+def test_require_env_var_fails_import_of_the_package(tmp_path):
+    """End to end in a fresh interpreter: `import lightning_amp` raises, nothing falls back."""
+    code = """
+        import sys
+        sys.modules["lightning_amp._C"] = None
+        try:
+            import lightning_amp
+        except ImportError as err:
+            assert "LIGHTNING_AMP_REQUIRE_EXT=1" in str(err), err
+        else:
+            raise SystemExit("imported without the extension")
+    """
+    _run(code, tmp_path, LIGHTNING_AMP_REQUIRE_EXT="1", LIGHTNING_AMP_DISABLE_EXT="0")
+
+
+def test_info_names_the_loaded_extension(capsys):
+    from lightning_amp import cli
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    if EXT is not None:
+        assert f"compiled extension: loaded from {EXT.__file__}" in out
+    else:
+        assert f"compiled extension: NOT in use: {ops.extension_error()}" in out
+
+
 def test_missing_extension_warns_once_and_ops_still_work(monkeypatch):
     import lightning_amp
 
     monkeypatch.delenv("LIGHTNING_AMP_DISABLE_EXT", raising=False)
+    monkeypatch.delenv("LIGHTNING_AMP_REQUIRE_EXT", raising=False)
     monkeypatch.setitem(sys.modules, "lightning_amp._C", None)  # `from lightning_amp import _C` -> ImportError
     monkeypatch.delattr(lightning_amp, "_C", raising=False)
+    monkeypatch.setattr(glob, "glob", lambda pattern: [])  # no file: "not built"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         probe = _fresh_ops_module("lamp_ops_missing_probe")
-    msgs = [str(w.message) for w in caught if "compiled extension unavailable" in str(w.message)]
+    msgs = [str(w.message) for w in caught if "lightning_amp._C not built" in str(w.message)]
     assert len(msgs) == 1, msgs
     assert probe.backend("cpu") == "torch" and probe.extension_error()
     x, g, main = torch.ones(4, 3), torch.ones(4, 2), torch.zeros(2, 3)

@@ -6,13 +6,16 @@
 // C' [in, out] = input'[in, k] * grad_output'[k, out], i.e. op(A) = N on input (lda = in) and
 // op(B) = T on grad_output (ldb = out), ldc = in.
 //
-// C is fp32 for wgrad_gemm_accum_fp32. For a 16-bit main_grad, cuBLAS takes C in the
-// operands' 16-bit type (fp32 compute, one rounding); fp32 operands into a 16-bit main_grad
-// go through an fp32 copy of main_grad instead. K (tokens) is split into calls that keep
-// every operand slice below 2^31 elements (cuBLAS takes int sizes).
+// C is always fp32 (CUBLAS_COMPUTE_32F, beta = 1). wgrad_gemm_accum_fp32 accumulates straight
+// into main_grad. A 16-bit main_grad is rounded exactly once per element: row tiles of it are
+// upcast into an fp32 workspace (exact), the GEMM accumulates into the workspace, and the sum
+// is rounded back once. Letting cuBLAS write a 16-bit C instead is not "rounded once": with
+// split-K it rounds partial sums into C (seen on an H100: 184.0 where fp64 says 183.69).
+// K (tokens) is split into calls that keep every operand slice below 2^31 elements (cuBLAS
+// takes int sizes).
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cublas_v2.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -20,14 +23,6 @@
 
 #include "checks.h"
 #include "kernels.h"
-
-namespace at {
-namespace cuda {
-// Declared in ATen/cuda/CUDAContextLight.h (libtorch_cuda); repeated here so this file needs
-// only cuBLAS's own header: the handle is bound to the current stream and device.
-cublasHandle_t getCurrentCUDABlasHandle(bool setup);
-}  // namespace cuda
-}  // namespace at
 
 namespace lamp {
 namespace cuda {
@@ -53,42 +48,50 @@ cudaDataType_t cuda_type(at::ScalarType t) {
                 cublasGetStatusString(status_), " (", static_cast<int>(status_), ")");            \
   } while (0)
 
-// c[out, in] (row-major, dtype c.scalar_type()) += g[k, out]^T @ x[k, in], beta = 1.
-void gemm_accum(const at::Tensor& x, const at::Tensor& g, at::Tensor& c) {
+// c[r0 + r, :] (row-major fp32, row stride n_in) += g[k, r0 + r]^T @ x[k, :] for r < rows: the
+// output rows [r0, r0 + rows) of main_grad, i.e. a column block of cuBLAS's column-major C'.
+void gemm_accum_rows(const at::Tensor& x, const at::Tensor& g, int64_t r0, int64_t rows, float* c) {
   const int64_t k = x.size(0), n_in = x.size(1), n_out = g.size(1);
-  if (k == 0 || n_in == 0 || n_out == 0) return;
+  if (k == 0 || n_in == 0 || rows == 0) return;
   const char* op = "wgrad_gemm_accum";
   LAMP_CHECK_FITS_INT32(op, "in features", n_in);
   LAMP_CHECK_FITS_INT32(op, "out features", n_out);
-  const int64_t step = std::max<int64_t>(
-      1, std::min<int64_t>(std::numeric_limits<int32_t>::max() / std::max(n_in, n_out), std::numeric_limits<int32_t>::max()));
+  const int64_t step = std::max<int64_t>(1, std::numeric_limits<int32_t>::max() / std::max(n_in, n_out));
   const cudaDataType_t ab_type = cuda_type(x.scalar_type());
-  const cudaDataType_t c_type = cuda_type(c.scalar_type());
   const float alpha = 1.f, beta = 1.f;
-  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle(true);
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
   for (int64_t k0 = 0; k0 < k; k0 += step) {
     const int64_t kk = std::min(step, k - k0);
     const char* xp = static_cast<const char*>(x.data_ptr()) + k0 * n_in * x.element_size();
-    const char* gp = static_cast<const char*>(g.data_ptr()) + k0 * n_out * g.element_size();
-    LAMP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(n_in), static_cast<int>(n_out),
+    const char* gp = static_cast<const char*>(g.data_ptr()) + (k0 * n_out + r0) * g.element_size();
+    LAMP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(n_in), static_cast<int>(rows),
                                    static_cast<int>(kk), &alpha, xp, ab_type, static_cast<int>(n_in), gp, ab_type,
-                                   static_cast<int>(n_out), &beta, c.data_ptr(), c_type, static_cast<int>(n_in),
+                                   static_cast<int>(n_out), &beta, c, CUDA_R_32F, static_cast<int>(n_in),
                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 }
+
+// Elements of the fp32 workspace used to accumulate into a 16-bit main_grad (64 MiB).
+constexpr int64_t kHalfMainTileElems = int64_t{1} << 24;
 
 }  // namespace
 
 void wgrad_gemm_accum(const at::Tensor& x, const at::Tensor& g, at::Tensor& main_grad) {
   const c10::cuda::CUDAGuard guard(main_grad.device());
-  const bool direct = main_grad.scalar_type() == at::kFloat || main_grad.scalar_type() == x.scalar_type();
-  if (direct) {
-    gemm_accum(x, g, main_grad);
+  const int64_t out = main_grad.size(0), in = main_grad.size(1);
+  if (main_grad.scalar_type() == at::kFloat) {
+    gemm_accum_rows(x, g, 0, out, main_grad.data_ptr<float>());
     return;
   }
-  at::Tensor acc = main_grad.to(at::kFloat);  // fp32 operands into a 16-bit main_grad
-  gemm_accum(x, g, acc);
-  main_grad.copy_(acc);
+  if (out == 0 || in == 0) return;
+  const int64_t rows = std::max<int64_t>(1, std::min(out, kHalfMainTileElems / std::max<int64_t>(in, 1)));
+  for (int64_t r0 = 0; r0 < out; r0 += rows) {
+    const int64_t rr = std::min(rows, out - r0);
+    at::Tensor dst = main_grad.narrow(0, r0, rr);
+    at::Tensor tile = dst.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    gemm_accum_rows(x, g, r0, rr, tile.data_ptr<float>());
+    dst.copy_(tile);  // the one rounding
+  }
 }
 
 }  // namespace cuda
