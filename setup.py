@@ -10,6 +10,10 @@ machine offers (AVX-512 or AVX2, as ATen's own per-capability kernels are);
 ``LIGHTNING_AMP_PORTABLE=1`` builds baseline x86-64 code instead (for a wheel meant to be
 copied to other machines).
 
+``LIGHTNING_AMP_OPT`` sets the optimisation flag (default ``-O3``); the CI ABI check, which only
+loads the library, builds with ``-O0`` to save time (unoptimised code references at least the
+torch symbols that optimised code does).
+
 cuBLAS headers and library come from the CUDA toolkit when it has them; a toolkit that ships
 only nvcc (e.g. a CI machine without a GPU) is completed by the ``nvidia-*`` wheels that the CUDA
 build of torch installed (``site-packages/nvidia/cu13`` or ``nvidia/cublas``). Those headers are
@@ -68,11 +72,12 @@ def _extensions():
     if not sources:
         return [], {}
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and bool(cuda_sources)
-    cxx = ["-O3", "-std=c++17", "-fopenmp"] + _cpu_vector_flags()
+    opt = os.environ.get("LIGHTNING_AMP_OPT", "-O3")
+    cxx = [opt, "-std=c++17", "-fopenmp"] + _cpu_vector_flags()
     include_dirs = [os.path.join(here, "csrc")]
     if with_cuda:
         # No --use_fast_math: the inf/nan checks of the multi-tensor kernels must see inf and nan.
-        nvcc = ["-O3", "-std=c++17"]
+        nvcc = [opt, "-std=c++17"]
         link = {"libraries": ["cublas"]}
         wheel = _nvidia_wheel_cublas(cpp_extension.CUDA_HOME)
         if wheel is not None:
