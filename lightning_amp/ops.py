@@ -431,7 +431,7 @@ def _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
     for i, p in enumerate(params):
         g = _unscaled_fp32(grads[i], grad_scale)
         steps[i].add_(1)
-        step = float(steps[i].item())
+        step = steps[i].reshape(()).double()  # stays on the device: no host synchronisation
         pf, m, v = p.float(), exp_avgs[i].float(), exp_avg_sqs[i].float()
         if weight_decay != 0:
             if adam_w_mode:
@@ -440,8 +440,8 @@ def _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                 g = g.add(pf, alpha=weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bc1 = 1 - beta1**step if bias_correction else 1.0
-        bc2_sqrt = (1 - beta2**step) ** 0.5 if bias_correction else 1.0
+        bc1 = (1 - beta1**step).float() if bias_correction else 1.0
+        bc2_sqrt = (1 - beta2**step).sqrt().float() if bias_correction else 1.0
         if max_exp_avg_sqs is not None:
             vmax = max_exp_avg_sqs[i].float()
             torch.maximum(vmax, v, out=vmax)
@@ -449,7 +449,7 @@ def _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
             denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
         else:
             denom = (v.sqrt() / bc2_sqrt).add_(eps)
-        pf.addcdiv_(m, denom, value=-lr / bc1)
+        pf.add_((m / denom) * (-lr / bc1))
         _store(p, pf)
         _store(exp_avgs[i], m)
         _store(exp_avg_sqs[i], v)
@@ -632,17 +632,19 @@ def multi_tensor_adadelta(
 def _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
                    bias_correction, grad_averaging, adam_w_mode, global_grad_norm, max_grad_norm, use_nvlamb,
                    grad_scale, found_inf, model_copies) -> None:
+    """Per-tensor loop (torch has no fused LAMB) with no host synchronisation inside: clip factor,
+    bias corrections and trust ratios stay tensors on the device."""
     if _skip(found_inf):
         return
-    gnorm = float(global_grad_norm.item())
-    clip = gnorm / max_grad_norm if (max_grad_norm > 0 and gnorm > max_grad_norm) else 1.0
+    gnorm = global_grad_norm.reshape(())
+    clip = (gnorm / max_grad_norm).clamp_min(1.0) if max_grad_norm > 0 else 1.0
     beta3 = 1 - beta1 if grad_averaging else 1.0
     for i, p in enumerate(params):
         g = _unscaled_fp32(grads[i], grad_scale) / clip
         steps[i].add_(1)
-        step = float(steps[i].item())
-        bc1 = 1 - beta1**step if bias_correction else 1.0
-        bc2 = 1 - beta2**step if bias_correction else 1.0
+        step = steps[i].reshape(()).double()
+        bc1 = (1 - beta1**step).float() if bias_correction else 1.0
+        bc2 = (1 - beta2**step).float() if bias_correction else 1.0
         pf, m, v = p.float(), exp_avgs[i].float(), exp_avg_sqs[i].float()
         if weight_decay != 0 and not adam_w_mode:
             g = g.add(pf, alpha=weight_decay)
@@ -651,13 +653,12 @@ def _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2
         update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
         if weight_decay != 0 and adam_w_mode:
             update.add_(pf, alpha=weight_decay)
-        ratio = lr
         if weight_decay != 0 or use_nvlamb:
-            p_norm = float(torch.linalg.vector_norm(pf))
-            u_norm = float(torch.linalg.vector_norm(update))
-            if p_norm != 0 and u_norm != 0:
-                ratio = lr * (p_norm / u_norm)
-        pf.add_(update, alpha=-ratio)
+            p_norm, u_norm = torch.linalg.vector_norm(pf), torch.linalg.vector_norm(update)
+            trust = torch.where((p_norm != 0) & (u_norm != 0), p_norm / u_norm, 1.0)
+            pf.sub_(update * (trust * lr))
+        else:
+            pf.add_(update, alpha=-lr)
         _store(p, pf)
         _store(exp_avgs[i], m)
         _store(exp_avg_sqs[i], v)

@@ -1,0 +1,93 @@
+"""The pure-PyTorch fallbacks of the fused optimizer ops (torch's own fused Adam/AdamW/SGD kernels
+where they apply, per-tensor loops elsewhere) against the compiled kernels, on the CPU.
+
+Each case runs three steps on the same fresh random inputs through the extension and through
+the fallback (``ops._EXT`` switched off), with a loss scale to divide out, then a step with
+found_inf set that must change nothing. fp32 params and state agree to 1e-6 (norm-wise relative:
+a few fp32 roundings of different operation orders); 16-bit ones to one 16-bit eps (the paths
+round the same fp32 update, but its last fp32 bit may differ and flip a 16-bit rounding).
+"""
+import pytest
+import torch
+
+from lightning_amp import ops
+
+EXT = ops._ext_for("cpu")
+pytestmark = pytest.mark.skipif(EXT is None, reason=f"compiled extension not loaded: {ops.extension_error()}")
+
+SHAPES = [(1,), (33,), (1000,), (5, 7), (4099,)]
+
+
+def _lists(n_lists, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen).to(dtype) for s in SHAPES] for _ in range(n_lists)]
+
+
+def _run(op, state_names, kwargs, pdtype, gdtype, copies, use_ext, monkeypatch, seed):
+    """Three steps (grad_scale 4) plus one skipped step; returns every tensor the op may write."""
+    params, *states = _lists(1 + len(state_names), pdtype, seed)
+    states = [[s.abs() for s in lst] for lst in states]  # second moments and deltas are >= 0
+    steps = [torch.zeros(()) for _ in SHAPES] if "steps" in kwargs else None
+    model_copies = [p.to(torch.bfloat16) for p in params] if copies else None
+    with monkeypatch.context() as m:
+        if not use_ext:
+            m.setattr(ops, "_EXT", None)
+        for step in range(4):
+            (grads,) = _lists(1, gdtype, seed + 100 + step)
+            grads = [g * 4 for g in grads]
+            found_inf = torch.tensor(1.0 if step == 3 else 0.0)
+            args = dict(kwargs, grad_scale=torch.tensor(4.0), found_inf=found_inf, model_copies=model_copies)
+            if steps is not None:
+                args["steps"] = steps
+            before = [t.clone() for t in params + sum(states, [])]
+            op(params, grads, *states, **args)
+            if step == 3:
+                after = params + sum(states, [])
+                assert all(torch.equal(a, b) for a, b in zip(before, after)), "found_inf step changed a tensor"
+    return params, states, steps, model_copies
+
+
+ADAM = (ops.multi_tensor_adam, ["exp_avgs", "exp_avg_sqs"], dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, steps=None))
+CASES = {
+    "adamw": (*ADAM[:2], dict(ADAM[2], weight_decay=0.1)),
+    "adam_l2": (*ADAM[:2], dict(ADAM[2], weight_decay=0.1, adam_w_mode=False)),
+    "adam_no_bias_correction": (*ADAM[:2], dict(ADAM[2], bias_correction=False)),
+    "sgd_nesterov": (ops.multi_tensor_sgd, ["momentum_buffers"],
+                     dict(lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True)),
+    "sgd_dampening": (ops.multi_tensor_sgd, ["momentum_buffers"], dict(lr=1e-2, momentum=0.9, dampening=0.3)),
+    "lamb": (ops.multi_tensor_lamb, ["exp_avgs", "exp_avg_sqs"],
+             dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01, steps=None,
+                  global_grad_norm=torch.tensor(50.0), max_grad_norm=1.0)),
+    "lamb_nvlamb_no_clip": (ops.multi_tensor_lamb, ["exp_avgs", "exp_avg_sqs"],
+                            dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.0, steps=None,
+                                 global_grad_norm=torch.tensor(0.5), max_grad_norm=1.0, use_nvlamb=True)),
+    "adadelta": (ops.multi_tensor_adadelta, ["square_avgs", "acc_deltas"],
+                 dict(lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.1, steps=None)),
+}
+# (param dtype, grad dtype, 16-bit model copies): plain fp32; fp32 masters with bf16 grads and
+# copies (torch's kernels after converting the grads); bf16 params (torch's kernel or the loop).
+DTYPES = [(torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, True),
+          (torch.bfloat16, torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{str(d[0])[6:]}-{str(d[1])[6:]}{'-copies' if d[2] else ''}")
+@pytest.mark.parametrize("case", list(CASES))
+def test_fallback_matches_extension(case, dtypes, monkeypatch):
+    op, state_names, kwargs = CASES[case]
+    kwargs = dict(kwargs)
+    if "momentum" in kwargs:
+        kwargs["first_run"] = False
+    seed = torch.seed() % 2**31
+    ext = _run(op, state_names, kwargs, *dtypes, use_ext=True, monkeypatch=monkeypatch, seed=seed)
+    ref = _run(op, state_names, kwargs, *dtypes, use_ext=False, monkeypatch=monkeypatch, seed=seed)
+    pdtype = dtypes[0]
+    tol = 1e-6 if pdtype == torch.float32 else torch.finfo(pdtype).eps
+    for i, (a, b) in enumerate(zip(ext[0] + sum(ext[1], []), ref[0] + sum(ref[1], []))):
+        rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert rel < tol, (i, rel, f"seed {seed}")
+    if ext[2] is not None:
+        assert all(torch.equal(x, y) for x, y in zip(ext[2], ref[2]))
+        assert all(x.item() == 3.0 for x in ext[2]), "steps advance once per applied step"
+    if ext[3] is not None:
+        for copy, master in zip(ref[3], ref[0]):
+            assert torch.equal(copy, master.to(torch.bfloat16))
