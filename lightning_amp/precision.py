@@ -37,7 +37,6 @@ from collections.abc import Generator
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
@@ -49,156 +48,24 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp.casts import cast_context
-from lightning_amp.amp.flat import FlatGradBuffer
+from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.levels import AmpProperties, resolve_properties
-from lightning_amp.amp.master import (
-    MasterParams,
-    nonfinite_flags,
-    optimizer_grads,
-    optimizer_params,
-    rescale_grads_,
-    unscale_grads_,
-)
+from lightning_amp.amp.master import MasterParams, load_masters, masters_into_state_dict, optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
 from lightning_amp.amp.scaler import LossScaler
+from lightning_amp.amp.step import OptimizerStep, agree, all_reduce_master_grads, unscales_in_step
 
 log = logging.getLogger(__name__)
 
 OVERFLOW_WARN_AFTER = 10
 """Overflows in a row of one optimizer after which (and every so many) a one-line warning is issued."""
 
-_SKIPPED_ATTR = "_lightning_amp_step_skipped"
 _STATE_VERSION = 1
 
 
 def main_params(optimizer: Optimizer) -> Generator[Tensor, None, None]:
     """The params ``optimizer`` steps on: the fp32 masters under O2 (what clipping must see)."""
     yield from optimizer_params(optimizer)
-
-
-def _unscales_in_step(optimizer: Optimizer) -> bool:
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-# --------------------------------------------------------------------------------------
-# LR schedulers that do not advance on a skipped optimizer step
-# --------------------------------------------------------------------------------------
-
-_SKIP_AWARE: Dict[type, type] = {}
-
-
-def _skip_aware_class(cls: type) -> type:
-    if getattr(cls, "_lightning_amp_skip_aware", False):
-        return cls
-    if cls not in _SKIP_AWARE:
-
-        def step(self, *args: Any, **kwargs: Any) -> Any:
-            if getattr(getattr(self, "optimizer", None), _SKIPPED_ATTR, False):
-                return None  # the optimizer step it follows was skipped for non-finite grads
-            return cls.step(self, *args, **kwargs)
-
-        def __reduce_ex__(self, protocol: Any) -> Any:
-            # the wrapper class cannot be looked up by name: rebuild it from the original class
-            return _rebuild_skip_aware, (cls, self.__dict__.copy())
-
-        _SKIP_AWARE[cls] = type(
-            cls.__name__,
-            (cls,),
-            {"step": step, "__reduce_ex__": __reduce_ex__, "_lightning_amp_skip_aware": True,
-             "__module__": cls.__module__, "__qualname__": cls.__qualname__},
-        )
-    return _SKIP_AWARE[cls]
-
-
-def _rebuild_skip_aware(cls: type, state: Dict[str, Any]) -> Any:
-    scheduler = cls.__new__(cls)
-    scheduler.__dict__.update(state)
-    make_scheduler_skip_aware(scheduler)
-    return scheduler
-
-
-def make_scheduler_skip_aware(scheduler: Any) -> None:
-    """Make ``scheduler.step()`` a no-op right after a skipped step of ``scheduler.optimizer``.
-
-    The scheduler's class is swapped for a subclass (``isinstance`` and ``state_dict`` unchanged).
-    """
-    scheduler.__class__ = _skip_aware_class(type(scheduler))
-
-
-# --------------------------------------------------------------------------------------
-# Per-optimizer state
-# --------------------------------------------------------------------------------------
-
-
-class _OptimizerAmp:
-    """Scaler, masters and the loss-scale factor carried by one optimizer's current grads."""
-
-    def __init__(
-        self, optimizer: Optimizer, scaler: LossScaler, masters: Optional[MasterParams], combine_grad: bool = False
-    ) -> None:
-        self.optimizer = optimizer
-        self.scaler = scaler
-        self.masters = masters
-        # combine_grad: the stepped params' grads are views into one flat buffer per (device, dtype)
-        self.flat = FlatGradBuffer(list(optimizer_params(optimizer))) if combine_grad else None
-        self.model_params: List[Tensor] = masters.model_params if masters else list(optimizer_params(optimizer))
-        self.grad_factor = 1.0  # the loss scale the optimizer's grads are multiplied by right now
-        self.check: Optional[tuple] = None  # (found_inf, flags, params) of the last unscale / check
-        self.skipped = 0
-
-    def requires_grad(self) -> bool:
-        return any(p.requires_grad for p in self.model_params)
-
-    def rebase(self, scale: float) -> None:
-        """Before a backward at ``scale``: re-base grads already held at another factor onto it."""
-        if self.masters is not None and self.masters.has_model_grads():
-            self.masters.accumulate_model_grads_()
-        if self.flat is not None and not self.flat.views_intact():
-            self.flat.rebind()  # e.g. after zero_grad(set_to_none=True): autograd must add into the views
-        grads = optimizer_grads(self.optimizer)
-        if grads and self.grad_factor != scale:
-            rescale_grads_(grads, scale / self.grad_factor)
-        self.grad_factor = scale
-        self.check = None
-
-    def _params_with_grad(self) -> List[Tensor]:
-        if self.masters is not None and self.masters.has_model_grads():
-            self.masters.accumulate_model_grads_()
-        return [p for p in optimizer_params(self.optimizer) if p.grad is not None]
-
-    def unscale(self) -> tuple:
-        """Divide the grads by their factor in place (idempotent); ``(found_inf, flags, params)``."""
-        if self.check is not None and self.grad_factor == 1.0:
-            return self.check
-        params = self._params_with_grad()
-        if self.flat is not None and self.flat.views_intact() and len(params) == len(self.flat.params):
-            found_inf = self.flat.unscale_(self.grad_factor)  # one call per flat buffer
-            flags = nonfinite_flags([p.grad for p in params])[1] if found_inf.item() else None
-        else:
-            found_inf, flags = unscale_grads_([p.grad for p in params], 1.0 / self.grad_factor)
-        self.grad_factor = 1.0
-        self.check = (found_inf, flags, params)
-        return self.check
-
-    def inspect(self) -> tuple:
-        """Check the grads for inf/nan without touching them; ``(found_inf, flags, params)``."""
-        params = self._params_with_grad()
-        found_inf, flags = nonfinite_flags([p.grad for p in params])
-        return found_inf, flags, params
-
-    def clear_grads(self) -> None:
-        if self.masters is not None:
-            self.masters.clear_grads_()
-        for p in self.model_params:
-            p.grad = None
-        for p in optimizer_params(self.optimizer):
-            p.grad = None
-        if self.flat is not None:
-            self.flat.zero_()  # re-attaches the views, zeroed
-
-    def after_step(self, grads_unscaled: bool) -> None:
-        self.grad_factor = 1.0 if grads_unscaled else self.grad_factor
-        self.check = None
 
 
 def _unwrap(model: Module) -> Module:
@@ -230,6 +97,14 @@ class AmpPrecision(Precision):
         combine_grad: the grads of the params each optimizer steps on (the fp32 masters under O2)
             live as views in one flat buffer per (device, dtype)
             (:class:`~lightning_amp.amp.flat.FlatGradBuffer`); unscaling is one call per buffer.
+        fused_update: a plain ``torch.optim.Adam``/``AdamW``/``SGD`` is stepped by lightning_amp's
+            fused kernels (unscaled grads, skip decided on the device, under O2 the master update
+            and the half copy in one pass; :mod:`lightning_amp.amp.kernel_step` says which group
+            options qualify). False: the optimizer's own ``step()`` runs, and the skip is decided
+            on the host.
+        allow_missing_masters: under master weights, a param whose checkpoint entry is missing or
+            has another shape raises ValueError on save and on load (naming the params); True
+            keeps the current master instead, with a warning naming them.
 
     Properties: ``loss_scale`` (current scale of the first optimizer), ``loss_scales`` (all),
     ``skipped_steps`` (optimizer steps skipped for non-finite grads), ``properties``.
@@ -251,10 +126,14 @@ class AmpPrecision(Precision):
         min_loss_scale: Optional[float] = None,
         max_loss_scale: float = 2.0**24,
         combine_grad: bool = False,
+        fused_update: bool = True,
+        allow_missing_masters: bool = False,
     ) -> None:
-        if not isinstance(combine_grad, bool):
-            raise ValueError(f"`combine_grad` must be True or False; got {combine_grad!r}")
-        self.combine_grad = combine_grad
+        for name, value in (("combine_grad", combine_grad), ("fused_update", fused_update),
+                            ("allow_missing_masters", allow_missing_masters)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False; got {value!r}")
+        self.combine_grad, self.fused_update, self.allow_missing_masters = combine_grad, fused_update, allow_missing_masters
         self._request = dict(
             opt_level=opt_level,
             dtype=dtype,
@@ -275,8 +154,8 @@ class AmpPrecision(Precision):
         self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self._resolve()
         self._scalers: List[LossScaler] = []
-        self._states: List[_OptimizerAmp] = []
-        self._skipped_steps = 0
+        self._states: List[OptimizerStep] = []
+        self._skipped_before = 0  # skipped steps restored from a checkpoint
         self._ddp: Optional[Module] = None
         self._local_master_grads = False  # masters hold grads of no_sync backwards, not yet all-reduced
         self._param_names: Dict[Tensor, List[str]] = {}
@@ -328,8 +207,11 @@ class AmpPrecision(Precision):
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far because of non-finite gradients (all optimizers)."""
-        return self._skipped_steps
+        """Optimizer steps skipped so far because of non-finite gradients (all optimizers; waits for
+        the flags of steps still on their way to the host)."""
+        for state in self._states:
+            state.gate.poll(wait=True)
+        return self._skipped_before + sum(s.skipped for s in self._states)
 
     # ---- model -----------------------------------------------------------------------
 
@@ -385,7 +267,7 @@ class AmpPrecision(Precision):
             self._warn_on_vanishing_eps(index, optimizer)
             if index >= len(self._scalers):
                 self._scalers.append(self._new_scaler())
-            self._states.append(_OptimizerAmp(optimizer, self._scalers[index], masters, self.combine_grad))
+            self._states.append(self._new_state(optimizer, self._scalers[index], masters, self.combine_grad))
         if self._pending_state is not None:
             self._load_scaler_states(self._pending_state)
             self._pending_state = None
@@ -421,7 +303,11 @@ class AmpPrecision(Precision):
                     )
                     return
 
-    def _state_of(self, optimizer: Optimizer) -> _OptimizerAmp:
+    def _new_state(self, optimizer: Optimizer, scaler: LossScaler, masters: Optional[MasterParams],
+                   combine_grad: bool) -> OptimizerStep:
+        return OptimizerStep(optimizer, scaler, masters, combine_grad, self.fused_update, on_skip=self._on_skip)
+
+    def _state_of(self, optimizer: Optimizer) -> OptimizerStep:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
         for state in self._states:
             if state.optimizer is optimizer:
@@ -429,27 +315,34 @@ class AmpPrecision(Precision):
         # an optimizer the Trainer did not hand to connect(): give it a scaler of its own
         self._check_optimizer(len(self._states), optimizer)
         self._scalers.append(self._new_scaler())
-        state = _OptimizerAmp(optimizer, self._scalers[-1], None)
+        state = self._new_state(optimizer, self._scalers[-1], None, False)
         self._states.append(state)
         return state
 
     # ---- backward --------------------------------------------------------------------
 
-    def _backward_scale(self) -> float:
+    def _backward_scale(self) -> Union[float, Tensor]:
+        """The scale of the next backward: a float when static, else the device tensor (no host read)."""
         if not self._states:
             return 1.0
         candidates = self._states
         if len(candidates) > 1:
             candidates = [s for s in self._states if s.requires_grad()] or self._states
-        scale = min(s.scaler.scale for s in candidates)
+        scales = [s.scaler.static_scale if s.scaler.static_scale is not None else s.scaler.scale_tensor
+                  for s in candidates]
+        if len(scales) == 1 or all(isinstance(x, float) for x in scales):
+            scale = scales[0] if len(scales) == 1 else min(scales)
+        else:
+            scale = torch.stack([torch.as_tensor(x, device=candidates[0].scaler.device) for x in scales]).min()
         for state in candidates:
-            state.rebase(scale)
+            state.gate.poll()
+            state.rebase(scale, shared=len(candidates) > 1)
         return scale
 
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """Multiply the loss by the current loss scale (computed in fp32) before the backward hooks."""
         scale = self._backward_scale()
-        if scale != 1.0:
+        if isinstance(scale, Tensor) or scale != 1.0:
             if tensor.dtype in (torch.float16, torch.bfloat16):
                 tensor = tensor.float()
             tensor = tensor * scale
@@ -467,33 +360,12 @@ class AmpPrecision(Precision):
             return
         synced = self._ddp is None or getattr(self._ddp, "require_backward_grad_sync", True)
         if synced and self._local_master_grads:
-            self._all_reduce_master_grads(with_masters)
+            self._local_master_grads = False
+            all_reduce_master_grads(with_masters, getattr(self._ddp, "process_group", None))
         for state in with_masters:
             state.masters.accumulate_model_grads_()
         if not synced:
             self._local_master_grads = True
-
-    @torch.no_grad()
-    def _all_reduce_master_grads(self, states: List[_OptimizerAmp]) -> None:
-        """Average the grads that earlier ``no_sync`` backwards left in the masters (DDP skipped them)."""
-        self._local_master_grads = False
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        masters = list({id(m): m for s in states for m in s.masters.masters}.values())
-        if not masters:
-            return
-        group = getattr(self._ddp, "process_group", None)
-        flat = torch.cat([(m.grad if m.grad is not None else torch.zeros_like(m)).reshape(-1) for m in masters])
-        dist.all_reduce(flat, group=group)
-        flat.div_(dist.get_world_size(group))
-        offset = 0
-        for m in masters:
-            chunk = flat[offset : offset + m.numel()].view_as(m)
-            if m.grad is None:
-                m.grad = chunk.clone()
-            else:
-                m.grad.copy_(chunk)  # in place: keeps combine_grad's flat-buffer views attached
-            offset += m.numel()
 
     # ---- optimizer step --------------------------------------------------------------
 
@@ -506,14 +378,6 @@ class AmpPrecision(Precision):
             return True
         return type(model).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
 
-    @staticmethod
-    def _agree(found_inf: Tensor) -> bool:
-        """Every rank takes the same decision: the max of ``found_inf`` over all ranks."""
-        if dist.is_available() and dist.is_initialized():
-            found_inf = found_inf.detach().clone()
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        return bool(found_inf.item() != 0)
-
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Optimizer,
@@ -521,7 +385,7 @@ class AmpPrecision(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """Closure, unscale, agree on overflow, clip, then step (or skip) and update the scale."""
+        """Closure, unscale (or inspect), agree on overflow, clip, then step or skip on the device."""
         state = self._state_of(optimizer)
         if isinstance(optimizer, LBFGS):  # allowed only without scaling: needs its closure
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
@@ -529,73 +393,44 @@ class AmpPrecision(Precision):
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
             return None
-
-        in_kernel = _unscales_in_step(optimizer) and state.grad_factor != 1.0 and not self._clipping_requested(model)
-        found_inf, flags, params = state.inspect() if in_kernel else state.unscale()
-        skip = self._agree(found_inf)
+        state.gate.poll(wait=True)  # the previous step's deferred scheduler calls set the lr read below
+        factor = state.grad_factor
+        in_kernel = (unscales_in_step(optimizer) and state.driver == "protocol" and factor is not None
+                     and not (isinstance(factor, float) and factor == 1.0) and not self._clipping_requested(model))
+        found_inf = agree(state.inspect() if in_kernel else state.unscale())
         self._after_closure(model, optimizer)
-
-        if skip:
-            self._skip(state, flags, params)
-        else:
-            if in_kernel:
-                device = params[0].device if params else torch.device("cpu")
-                optimizer.grad_scale = torch.full((), state.grad_factor, dtype=torch.float32, device=device)
-                optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                try:
-                    optimizer.step(**kwargs)
-                finally:
-                    del optimizer.grad_scale, optimizer.found_inf
-            else:
-                optimizer.step(**kwargs)
-            if state.masters is not None:
-                state.masters.copy_to_model_()
-            setattr(optimizer, _SKIPPED_ATTR, False)
-        state.after_step(grads_unscaled=not in_kernel)
-        state.scaler.update(skip)
+        state.apply(found_inf, in_kernel, **kwargs)
         self._log_metrics(model)
         return closure_result
 
-    def _skip(self, state: _OptimizerAmp, flags: Optional[Tensor], params: List[Tensor]) -> None:
-        state.skipped += 1
-        self._skipped_steps += 1
-        setattr(state.optimizer, _SKIPPED_ATTR, True)
-        names = self._names_of_flagged(state, flags, params)
+    def _on_skip(self, state: OptimizerStep) -> None:
+        """A skipped step reached the host: name the params, log, warn every OVERFLOW_WARN_AFTER in a row."""
+        names = [self._param_names.get(p, [f"<unnamed {tuple(p.shape)}>"])[0] for p in state.nonfinite_params()]
         self.last_nonfinite_params = names
         index = self._states.index(state)
-        log.debug(
-            "lightning_amp: optimizer %d step skipped for non-finite gradients (loss scale %s); params: %s",
-            index,
-            state.scaler.scale,
-            ", ".join(names) or "<on another rank>",
-        )
-        in_a_row = state.scaler.overflows_in_a_row + 1
+        in_a_row = state.scaler.overflows_in_a_row
+        log.debug("lightning_amp: optimizer %d step skipped for non-finite gradients (loss scale %s); params: %s",
+                  index, state.scaler.scale, ", ".join(names) or "<on another rank>")
         if in_a_row % OVERFLOW_WARN_AFTER == 0:
             shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
             rank_zero_warn(
                 f"lightning_amp: {in_a_row} optimizer steps in a row skipped for non-finite gradients "
                 f"(optimizer {index}, loss scale {state.scaler.scale}); non-finite grads in: {shown or 'another rank'}"
             )
-        state.clear_grads()
-
-    def _names_of_flagged(self, state: _OptimizerAmp, flags: Optional[Tensor], params: List[Tensor]) -> List[str]:
-        if flags is None:
-            return []
-        halves = {id(m): h for h, m in state.masters.pairs} if state.masters is not None else {}
-        names = []
-        for param, flag in zip(params, flags.tolist()):
-            if flag:
-                model_param = halves.get(id(param), param)
-                names.append(self._param_names.get(model_param, [f"<unnamed {tuple(param.shape)}>"])[0])
-        return names
 
     def _log_metrics(self, model: "pl.LightningModule") -> None:
+        """Log the scale (a device tensor) and the skipped steps settled so far, on the steps the
+        Trainer writes to its logger (``log_every_n_steps``) only."""
         trainer = model._trainer
         if trainer is None or trainer.barebones or model._current_fx_name is None or trainer._results is None:
             return
-        has_logger = trainer.logger is not None
-        for name, value in (("amp/loss_scale", self.loss_scale), ("amp/skipped_steps", self._skipped_steps)):
-            model.log(name, float(value), on_step=True, on_epoch=False, logger=has_logger, batch_size=1)
+        if trainer.logger is None or not trainer._logger_connector.should_update_logs:
+            return
+        scaler = self._scalers[0]
+        scale = scaler.static_scale if scaler.static_scale is not None else scaler.scale_tensor.clone()
+        skipped = self._skipped_before + sum(s.skipped for s in self._states)
+        for name, value in (("amp/loss_scale", scale), ("amp/skipped_steps", float(skipped))):
+            model.log(name, value, on_step=True, on_epoch=False, logger=True, batch_size=1)
 
     # ---- clipping --------------------------------------------------------------------
 
@@ -622,7 +457,7 @@ class AmpPrecision(Precision):
             "version": _STATE_VERSION,
             "opt_level": self._properties.opt_level,
             "loss_scalers": [s.state_dict() for s in self._scalers],
-            "skipped_steps": self._skipped_steps,
+            "skipped_steps": self.skipped_steps,
             "skipped_per_optimizer": [s.skipped for s in self._states],
         }
 
@@ -632,7 +467,7 @@ class AmpPrecision(Precision):
                 f"{type(self).__name__}.load_state_dict: `state_dict` must come from an AmpPrecision plugin "
                 f"(with a 'loss_scalers' list); got keys {sorted(state_dict) if isinstance(state_dict, dict) else state_dict!r}"
             )
-        self._skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._skipped_before = int(state_dict.get("skipped_steps", 0))
         if self._states:
             self._load_scaler_states(state_dict)
         else:
@@ -649,6 +484,7 @@ class AmpPrecision(Precision):
             scaler.load_state_dict(scaler_state)
         for state, skipped in zip(self._states, state_dict.get("skipped_per_optimizer", [])):
             state.skipped = int(skipped)
+        self._skipped_before -= sum(s.skipped for s in self._states)  # the rest: optimizers not here now
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         """Under master weights, the checkpoint's ``state_dict`` holds the fp32 master values (exact resume,
@@ -661,14 +497,8 @@ class AmpPrecision(Precision):
         model_state = checkpoint.get("state_dict")
         if not isinstance(model_state, dict):
             return
-        for state in self._states:
-            if state.masters is None:
-                continue
-            for half, master in state.masters.pairs:
-                for name in self._param_names.get(half, []):
-                    # a strategy may save gathered full tensors of sharded params: only same-shape entries
-                    if isinstance(model_state.get(name), Tensor) and model_state[name].shape == master.shape:
-                        model_state[name] = master.detach().clone()
+        pairs = [pair for state in self._states if state.masters is not None for pair in state.masters.pairs]
+        self._report(masters_into_state_dict(pairs, self._param_names, model_state), "saved")
         for key, value in model_state.items():
             if isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16):
                 model_state[key] = value.float()
@@ -685,16 +515,17 @@ class AmpPrecision(Precision):
         if not isinstance(model_state, dict):
             return
         for state in self._states:
-            if state.masters is None:
-                continue
-            values = {}
-            for half, _ in state.masters.pairs:
-                for name in self._param_names.get(half, []):
-                    value = model_state.get(name)
-                    if isinstance(value, Tensor) and value.shape == half.shape:  # sharded params: see on_save
-                        values[half] = value
-                        break
-            state.masters.load_masters_(values)
+            if state.masters is not None:
+                self._report(load_masters(state.masters, self._param_names, model_state), "loaded")
+
+    def _report(self, mismatched: List[str], verb: str) -> None:
+        if not mismatched:
+            return
+        message = (f"lightning_amp: the fp32 masters of {len(mismatched)} param(s) could not be {verb}: the "
+                   f"checkpoint's state_dict has no entry of the param's shape for {', '.join(mismatched)}")
+        if not self.allow_missing_masters:
+            raise ValueError(message + " (pass allow_missing_masters=True to keep the current masters instead)")
+        rank_zero_warn(message + "; their current masters are kept (allow_missing_masters=True)")
 
 
 class AmpO0Plugin(AmpPrecision):
