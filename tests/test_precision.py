@@ -465,25 +465,34 @@ def _regression_data(n=512, batch_size=32):
 
 
 def test_o2_gradient_accumulation_happens_in_fp32_masters():
-    """accumulate_grad_batches=2 with batch 16 == accumulate 1 with batch 32 (up to half rounding of
-    each micro-batch's grad); the master grads are fp32 and the half grads are cleared."""
+    """accumulate_grad_batches=2: the master grads at the step are the fp32 sum of each micro-batch's
+    half grad of loss / 2 (Lightning's mean), checked against that sum in fp64; the half grads are cleared.
+    A dropped micro-batch (off by ~50%) or a sum instead of a mean (2x) is far outside the tolerance."""
     x, y, _ = _regression_data(n=64)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
     seen = {}
 
     class Probe(L.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            seen["master_grad"] = [p.grad.dtype for p in main_params(optimizer)]
-            seen["half_grad"] = [p.grad for p in pl_module.parameters()]
+        def on_train_start(self, trainer, pl_module):
+            seen["start"] = copy.deepcopy(pl_module)  # the half model the first micro-batches run on
 
-    loader = lambda bs: torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=bs)
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if "master_grad" not in seen:
+                seen["master_grad"] = [p.grad.clone() for p in main_params(optimizer)]
+                seen["half_grad"] = [p.grad for p in pl_module.parameters()]
+
     acc = _Regression()
-    _fit(acc, AmpO2Plugin(dtype="bfloat16"), steps=2, data=loader(16), accumulate_grad_batches=2, callbacks=[Probe()])
-    big = _Regression()
-    _fit(big, AmpO2Plugin(dtype="bfloat16"), steps=2, data=loader(32))
-    assert seen["master_grad"] == [torch.float32] * 4 and seen["half_grad"] == [None] * 4
-    # Adam normalises the update, so compare the direction through the params after two steps
-    for p, q in zip(acc.parameters(), big.parameters()):
-        assert torch.allclose(p.float(), q.float(), atol=2e-2)
+    _fit(acc, AmpO2Plugin(dtype="bfloat16"), steps=1, data=loader, accumulate_grad_batches=2, callbacks=[Probe()])
+    start = seen["start"]
+    reference = [torch.zeros(p.shape, dtype=torch.float64) for p in start.parameters()]
+    for i in range(2):
+        start.zero_grad()
+        (start.training_step((x[16 * i:16 * (i + 1)].bfloat16(), y[16 * i:16 * (i + 1)].bfloat16()), i) / 2).backward()
+        for r, p in zip(reference, start.parameters()):
+            r += p.grad.double()
+    assert [g.dtype for g in seen["master_grad"]] == [torch.float32] * 4 and seen["half_grad"] == [None] * 4
+    for got, want in zip(seen["master_grad"], reference):
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-9 * want.abs().max()), (got.double() - want).abs().max()
 
 
 # ---------------------------------------------------------------------------------------
