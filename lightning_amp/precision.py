@@ -1,38 +1,30 @@
 """AmpPrecision and AmpO0Plugin..AmpO3Plugin: the thin Lightning adapter over ``lightning_amp.amp``.
 
-Hook order (Lightning's strategies): ``convert_module`` (cast the model in place) ->
-``connect`` (fp32 masters into the optimizers, one LossScaler per optimizer, skip-aware LR
-schedulers) -> per step ``convert_input``, ``forward_context``, ``pre_backward`` (loss * scale),
+Hook order: ``convert_module`` (cast the model in place) -> ``connect`` (the
+:class:`~lightning_amp.amp.engine.AmpEngine`: fp32 masters, one LossScaler and one
+:class:`~lightning_amp.amp.step.OptimizerStep` per optimizer; step-interval LR schedulers made
+skip-aware) -> per step ``convert_input``, ``forward_context``, ``pre_backward`` (loss * scale),
 ``post_backward`` (O2: half grads added into the fp32 master grads), ``optimizer_step``.
 
-``optimizer_step``: run the closure, unscale (into the masters under O2), agree on
-``found_inf`` across ranks (all-reduce MAX), then ``_after_closure`` (hooks and clipping see
-unscaled grads). On inf/nan the step is skipped: params, optimizer state and the LR scheduler
-(``interval="step"``) stay as they were, grads are dropped, the offending param names are
-logged at debug level (a one-line warning after every ``OVERFLOW_WARN_AFTER`` overflows in a
-row) and the scale backs off. Non-finite grads are checked and skipped at *every* level and
-scale, static 1.0 and bf16 included: no inf/nan ever reaches the params.
-
-Optimizers that unscale inside their kernel (``_step_supports_amp_scaling``, e.g.
-``torch.optim.AdamW(fused=True)`` or ``lightning_amp.FusedAdam``) get ``grad_scale`` /
-``found_inf`` as ``torch.amp.GradScaler`` hands them (``on_before_optimizer_step`` then sees
-scaled grads, as with GradScaler), unless clipping is requested: then the grads are unscaled
-first and the optimizer steps normally (clipping always works).
+``optimizer_step``: run the closure, unscale (into the masters under O2) or, for optimizers that
+unscale in their kernel (``_step_supports_amp_scaling``) when no clipping is requested, only check
+(``on_before_optimizer_step`` then sees scaled grads, as with GradScaler); agree on ``found_inf``
+across ranks (an all-reduce MAX of the device flag), ``_after_closure`` (hooks, clipping), then
+step. On inf/nan the step is skipped on the device: params, optimizer state and the LR scheduler
+(``interval="step"``) stay as they were and the scale backs off; when the flag reaches the host
+(:mod:`lightning_amp.amp.gate`) the grads are dropped and the offending param names logged at
+debug level (a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row). No host sync on
+the way with plain torch Adam/AdamW/SGD or protocol optimizers (see :mod:`lightning_amp.amp.step`
+for the drivers and the one host read of the first step). Non-finite grads are skipped at every
+level and scale, static 1.0 and bf16 included.
 
 Under O2 the grads live on the fp32 masters once a backward has finished (``on_after_backward``
-still sees the half ``.grad``; ``on_before_optimizer_step``, clipping and the optimizer see the
-masters' grads): inspect them through :func:`main_params` (``trainer.optimizers[i]``'s params),
-not through the module's half params, whose ``.grad`` is None by then.
-
-Several optimizers (manual optimization): each has its own scaler. A backward uses the
-smallest scale among the optimizers whose params require grad, and grads already held by such
-an optimizer at another scale are re-based first, so accumulated grads always carry one
-known factor.
+still sees the half ``.grad``): inspect them through :func:`main_params`. Several optimizers
+(manual optimization): each has its own scaler (see the engine for the shared backward scale).
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Generator
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -48,17 +40,13 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp.casts import cast_context
+from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.levels import AmpProperties, resolve_properties
-from lightning_amp.amp.master import MasterParams, load_masters, masters_into_state_dict, optimizer_params
+from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
 from lightning_amp.amp.scaler import LossScaler
-from lightning_amp.amp.step import OptimizerStep, agree, all_reduce_master_grads, unscales_in_step
-
-log = logging.getLogger(__name__)
-
-OVERFLOW_WARN_AFTER = 10
-"""Overflows in a row of one optimizer after which (and every so many) a one-line warning is issued."""
+from lightning_amp.amp.step import OptimizerStep, agree, unscales_in_step
 
 _STATE_VERSION = 1
 
@@ -73,11 +61,6 @@ def _unwrap(model: Module) -> Module:
     while not isinstance(model, pl.LightningModule) and isinstance(getattr(model, "module", None), Module):
         model = model.module
     return model
-
-
-# --------------------------------------------------------------------------------------
-# The plugin
-# --------------------------------------------------------------------------------------
 
 
 class AmpPrecision(Precision):
@@ -134,36 +117,19 @@ class AmpPrecision(Precision):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False; got {value!r}")
         self.combine_grad, self.fused_update, self.allow_missing_masters = combine_grad, fused_update, allow_missing_masters
-        self._request = dict(
-            opt_level=opt_level,
-            dtype=dtype,
-            loss_scale=loss_scale,
-            keep_batchnorm_fp32=keep_batchnorm_fp32,
-            master_weights=master_weights,
-            cast_model_outputs=cast_model_outputs,
-        )
-        self._scaler_kwargs = dict(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-        )
+        self._request = dict(opt_level=opt_level, dtype=dtype, loss_scale=loss_scale,
+                             keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+                             cast_model_outputs=cast_model_outputs)
+        self._scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                                   growth_interval=growth_interval, hysteresis=hysteresis,
+                                   min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
         self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self._engine: Optional[AmpEngine] = None
         self._resolve()
-        self._scalers: List[LossScaler] = []
-        self._states: List[OptimizerStep] = []
-        self._skipped_before = 0  # skipped steps restored from a checkpoint
+        self._engine = AmpEngine(self._properties, self._new_scaler, combine_grad, fused_update,
+                                 allow_missing_masters, warn=rank_zero_warn)
         self._ddp: Optional[Module] = None
-        self._local_master_grads = False  # masters hold grads of no_sync backwards, not yet all-reduced
-        self._param_names: Dict[Tensor, List[str]] = {}
-        self._pending_state: Optional[dict] = None
-        #: names of the params whose grads were non-finite at the last skipped step (this rank's view)
-        self.last_nonfinite_params: List[str] = []
 
-    # ---- configuration ---------------------------------------------------------------
 
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
@@ -176,6 +142,8 @@ class AmpPrecision(Precision):
             self.precision = f"{half}-true"
         else:
             self.precision = f"{half}-mixed"
+        if self._engine is not None:
+            self._engine.properties = props
 
     def _new_scaler(self) -> LossScaler:
         return LossScaler(self._properties.loss_scale, **self._scaler_kwargs)
@@ -193,27 +161,33 @@ class AmpPrecision(Precision):
     @property
     def loss_scale(self) -> float:
         """Current loss scale of the first optimizer (the initial scale before setup)."""
-        return self._scalers[0].scale if self._scalers else self._new_scaler().scale
+        return self.scalers[0].scale if self.scalers else self._new_scaler().scale
 
     @property
     def loss_scales(self) -> List[float]:
         """Current loss scale of every optimizer, in the order of ``trainer.optimizers``."""
-        return [s.scale for s in self._scalers]
+        return [s.scale for s in self.scalers]
 
     @property
     def scalers(self) -> List[LossScaler]:
         """The LossScaler of every optimizer."""
-        return list(self._scalers)
+        return list(self._engine.scalers)
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far because of non-finite gradients (all optimizers; waits for
         the flags of steps still on their way to the host)."""
-        for state in self._states:
-            state.gate.poll(wait=True)
-        return self._skipped_before + sum(s.skipped for s in self._states)
+        return self._engine.skipped_steps
 
-    # ---- model -----------------------------------------------------------------------
+    @property
+    def last_nonfinite_params(self) -> List[str]:
+        """Names of the params whose grads were non-finite at the last skipped step (this rank's view)."""
+        return self._engine.last_nonfinite_params
+
+    @property
+    def _states(self) -> List[OptimizerStep]:
+        return self._engine.states
+
 
     def convert_module(self, module: Module) -> Module:
         """Cast the model in place (O0: fp32; O2/O3: half, BatchNorm fp32 if kept) and hook its outputs."""
@@ -248,100 +222,25 @@ class AmpPrecision(Precision):
             with cast_context(props.dtype, self._device_type):
                 yield
 
-    # ---- optimizers ------------------------------------------------------------------
 
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
         """Swap half params for fp32 masters (O2), give each optimizer a scaler, make step schedulers skip-aware."""
         lightning_module = _unwrap(model)
         self._ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-        self._param_names = {}
+        names: Dict[Tensor, List[str]] = {}
         for name, param in lightning_module.named_parameters(remove_duplicate=False):
-            self._param_names.setdefault(param, []).append(name)
-
-        props = self._properties
-        registry: Dict[Tensor, Tensor] = {}
-        self._states = []
-        for index, optimizer in enumerate(optimizers):
-            self._check_optimizer(index, optimizer)
-            masters = MasterParams(optimizer, registry) if props.master_weights else None
-            self._warn_on_vanishing_eps(index, optimizer)
-            if index >= len(self._scalers):
-                self._scalers.append(self._new_scaler())
-            self._states.append(self._new_state(optimizer, self._scalers[index], masters, self.combine_grad))
-        if self._pending_state is not None:
-            self._load_scaler_states(self._pending_state)
-            self._pending_state = None
+            names.setdefault(param, []).append(name)
+        self._engine.connect(optimizers, names)
 
         for config in lr_schedulers:
             if getattr(config, "interval", "step") == "step":
                 make_scheduler_skip_aware(config.scheduler)
         return model, optimizers, lr_schedulers
 
-    def _check_optimizer(self, index: int, optimizer: Optimizer) -> None:
-        props = self._properties
-        if isinstance(optimizer, LBFGS) and (props.scaling_enabled or props.master_weights):
-            raise ValueError(
-                f"optimizers[{index}] ({type(optimizer).__name__}) re-evaluates its closure inside step() and cannot "
-                f"be used with loss scaling or master weights (opt_level={props.opt_level}, "
-                f"loss_scale={props.loss_scale!r}, master_weights={props.master_weights}). Allowed: "
-                "loss_scale=1.0 without master weights (e.g. O0, O3, or O1 with bfloat16)."
-            )
-
-    @staticmethod
-    def _warn_on_vanishing_eps(index: int, optimizer: Optimizer) -> None:
-        """A half param stepped directly (no master) with an ``eps`` that is 0 in its dtype divides by zero."""
-        for group in optimizer.param_groups:
-            eps = group.get("eps")
-            if not isinstance(eps, float) or eps <= 0:
-                continue
-            for param in group["params"]:
-                if param.dtype in (torch.float16, torch.bfloat16) and torch.tensor(eps, dtype=param.dtype).item() == 0:
-                    rank_zero_warn(
-                        f"lightning_amp: optimizers[{index}] ({type(optimizer).__name__}) steps {param.dtype} params "
-                        f"directly with eps={eps}, which is 0 in {param.dtype}: its updates can divide by zero and "
-                        "write inf/nan into the params. Use O2 (fp32 master weights) or a larger eps."
-                    )
-                    return
-
-    def _new_state(self, optimizer: Optimizer, scaler: LossScaler, masters: Optional[MasterParams],
-                   combine_grad: bool) -> OptimizerStep:
-        return OptimizerStep(optimizer, scaler, masters, combine_grad, self.fused_update, on_skip=self._on_skip)
-
-    def _state_of(self, optimizer: Optimizer) -> OptimizerStep:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
-        for state in self._states:
-            if state.optimizer is optimizer:
-                return state
-        # an optimizer the Trainer did not hand to connect(): give it a scaler of its own
-        self._check_optimizer(len(self._states), optimizer)
-        self._scalers.append(self._new_scaler())
-        state = self._new_state(optimizer, self._scalers[-1], None, False)
-        self._states.append(state)
-        return state
-
-    # ---- backward --------------------------------------------------------------------
-
-    def _backward_scale(self) -> Union[float, Tensor]:
-        """The scale of the next backward: a float when static, else the device tensor (no host read)."""
-        if not self._states:
-            return 1.0
-        candidates = self._states
-        if len(candidates) > 1:
-            candidates = [s for s in self._states if s.requires_grad()] or self._states
-        scales = [s.scaler.static_scale if s.scaler.static_scale is not None else s.scaler.scale_tensor
-                  for s in candidates]
-        if len(scales) == 1 or all(isinstance(x, float) for x in scales):
-            scale = scales[0] if len(scales) == 1 else min(scales)
-        else:
-            scale = torch.stack([torch.as_tensor(x, device=candidates[0].scaler.device) for x in scales]).min()
-        for state in candidates:
-            state.gate.poll()
-            state.rebase(scale, shared=len(candidates) > 1)
-        return scale
 
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """Multiply the loss by the current loss scale (computed in fp32) before the backward hooks."""
-        scale = self._backward_scale()
+        scale = self._engine.backward_scale()
         if isinstance(scale, Tensor) or scale != 1.0:
             if tensor.dtype in (torch.float16, torch.bfloat16):
                 tensor = tensor.float()
@@ -351,23 +250,10 @@ class AmpPrecision(Precision):
     def post_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """After the user hooks: O2 half grads are added into the fp32 master grads (fp32 accumulation)."""
         closure_loss = super().post_backward(tensor, module)
-        self._move_grads_to_masters()
+        synced = self._ddp is None or getattr(self._ddp, "require_backward_grad_sync", True)
+        self._engine.move_grads_to_masters(synced, getattr(self._ddp, "process_group", None))
         return closure_loss
 
-    def _move_grads_to_masters(self) -> None:
-        with_masters = [s for s in self._states if s.masters is not None]
-        if not with_masters:
-            return
-        synced = self._ddp is None or getattr(self._ddp, "require_backward_grad_sync", True)
-        if synced and self._local_master_grads:
-            self._local_master_grads = False
-            all_reduce_master_grads(with_masters, getattr(self._ddp, "process_group", None))
-        for state in with_masters:
-            state.masters.accumulate_model_grads_()
-        if not synced:
-            self._local_master_grads = True
-
-    # ---- optimizer step --------------------------------------------------------------
 
     @staticmethod
     def _clipping_requested(model: "pl.LightningModule") -> bool:
@@ -386,7 +272,7 @@ class AmpPrecision(Precision):
         **kwargs: Any,
     ) -> Any:
         """Closure, unscale (or inspect), agree on overflow, clip, then step or skip on the device."""
-        state = self._state_of(optimizer)
+        state = self._engine.state_of(optimizer)
         if isinstance(optimizer, LBFGS):  # allowed only without scaling: needs its closure
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
@@ -403,21 +289,6 @@ class AmpPrecision(Precision):
         self._log_metrics(model)
         return closure_result
 
-    def _on_skip(self, state: OptimizerStep) -> None:
-        """A skipped step reached the host: name the params, log, warn every OVERFLOW_WARN_AFTER in a row."""
-        names = [self._param_names.get(p, [f"<unnamed {tuple(p.shape)}>"])[0] for p in state.nonfinite_params()]
-        self.last_nonfinite_params = names
-        index = self._states.index(state)
-        in_a_row = state.scaler.overflows_in_a_row
-        log.debug("lightning_amp: optimizer %d step skipped for non-finite gradients (loss scale %s); params: %s",
-                  index, state.scaler.scale, ", ".join(names) or "<on another rank>")
-        if in_a_row % OVERFLOW_WARN_AFTER == 0:
-            shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
-            rank_zero_warn(
-                f"lightning_amp: {in_a_row} optimizer steps in a row skipped for non-finite gradients "
-                f"(optimizer {index}, loss scale {state.scaler.scale}); non-finite grads in: {shown or 'another rank'}"
-            )
-
     def _log_metrics(self, model: "pl.LightningModule") -> None:
         """Log the scale (a device tensor) and the skipped steps settled so far, on the steps the
         Trainer writes to its logger (``log_every_n_steps``) only."""
@@ -426,13 +297,12 @@ class AmpPrecision(Precision):
             return
         if trainer.logger is None or not trainer._logger_connector.should_update_logs:
             return
-        scaler = self._scalers[0]
+        scaler = self._engine.scalers[0]
         scale = scaler.static_scale if scaler.static_scale is not None else scaler.scale_tensor.clone()
-        skipped = self._skipped_before + sum(s.skipped for s in self._states)
+        skipped = self._engine.settled_skipped_steps
         for name, value in (("amp/loss_scale", scale), ("amp/skipped_steps", float(skipped))):
             model.log(name, value, on_step=True, on_epoch=False, logger=True, batch_size=1)
 
-    # ---- clipping --------------------------------------------------------------------
 
     def clip_gradients(
         self,
@@ -442,24 +312,17 @@ class AmpPrecision(Precision):
     ) -> None:
         """Clip the (fp32 master under O2) grads after making sure they are unscaled; fused optimizers too."""
         if clip_val and clip_val > 0:
-            self._state_of(optimizer).unscale()
+            self._engine.state_of(optimizer).unscale()
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Divide ``optimizer``'s grads by their loss scale now (idempotent until the next backward)."""
-        self._state_of(optimizer).unscale()
+        self._engine.state_of(optimizer).unscale()
 
-    # ---- checkpointing ---------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
         """Scaler state of every optimizer and the skipped-step counts (fp32 masters go in ``state_dict``)."""
-        return {
-            "version": _STATE_VERSION,
-            "opt_level": self._properties.opt_level,
-            "loss_scalers": [s.state_dict() for s in self._scalers],
-            "skipped_steps": self.skipped_steps,
-            "skipped_per_optimizer": [s.skipped for s in self._states],
-        }
+        return {"version": _STATE_VERSION, "opt_level": self._properties.opt_level, **self._engine.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "loss_scalers" not in state_dict:
@@ -467,24 +330,7 @@ class AmpPrecision(Precision):
                 f"{type(self).__name__}.load_state_dict: `state_dict` must come from an AmpPrecision plugin "
                 f"(with a 'loss_scalers' list); got keys {sorted(state_dict) if isinstance(state_dict, dict) else state_dict!r}"
             )
-        self._skipped_before = int(state_dict.get("skipped_steps", 0))
-        if self._states:
-            self._load_scaler_states(state_dict)
-        else:
-            self._pending_state = state_dict  # applied when connect() creates the scalers
-
-    def _load_scaler_states(self, state_dict: Dict[str, Any]) -> None:
-        saved = state_dict["loss_scalers"]
-        if len(saved) != len(self._scalers):
-            rank_zero_warn(
-                f"lightning_amp: the checkpoint holds {len(saved)} loss scaler(s) but there are "
-                f"{len(self._scalers)} optimizer(s); restoring the first {min(len(saved), len(self._scalers))}."
-            )
-        for scaler, scaler_state in zip(self._scalers, saved):
-            scaler.load_state_dict(scaler_state)
-        for state, skipped in zip(self._states, state_dict.get("skipped_per_optimizer", [])):
-            state.skipped = int(skipped)
-        self._skipped_before -= sum(s.skipped for s in self._states)  # the rest: optimizers not here now
+        self._engine.load_state_dict(state_dict)
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         """Under master weights, the checkpoint's ``state_dict`` holds the fp32 master values (exact resume,
@@ -497,8 +343,7 @@ class AmpPrecision(Precision):
         model_state = checkpoint.get("state_dict")
         if not isinstance(model_state, dict):
             return
-        pairs = [pair for state in self._states if state.masters is not None for pair in state.masters.pairs]
-        self._report(masters_into_state_dict(pairs, self._param_names, model_state), "saved")
+        self._engine.masters_into(model_state)
         for key, value in model_state.items():
             if isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16):
                 model_state[key] = value.float()
@@ -514,18 +359,7 @@ class AmpPrecision(Precision):
         model_state = checkpoint.get("state_dict")
         if not isinstance(model_state, dict):
             return
-        for state in self._states:
-            if state.masters is not None:
-                self._report(load_masters(state.masters, self._param_names, model_state), "loaded")
-
-    def _report(self, mismatched: List[str], verb: str) -> None:
-        if not mismatched:
-            return
-        message = (f"lightning_amp: the fp32 masters of {len(mismatched)} param(s) could not be {verb}: the "
-                   f"checkpoint's state_dict has no entry of the param's shape for {', '.join(mismatched)}")
-        if not self.allow_missing_masters:
-            raise ValueError(message + " (pass allow_missing_masters=True to keep the current masters instead)")
-        rank_zero_warn(message + "; their current masters are kept (allow_missing_masters=True)")
+        self._engine.masters_from(model_state)
 
 
 class AmpO0Plugin(AmpPrecision):

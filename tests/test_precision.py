@@ -13,6 +13,7 @@ from torch import nn
 import lightning_amp
 from lightning_amp import AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, AmpPrecision, main_params
 from lightning_amp import precision as precision_module
+from lightning_amp.amp import engine as engine_module
 from lightning_amp.amp.gate import StepGate
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -242,11 +243,11 @@ def _same(a, b):
     ids=["O2-fp16-dynamic", "O1-bf16-static", "O0", "O3-bf16"],
 )
 def test_nonfinite_grad_skips_step_and_holds_scheduler(monkeypatch, caplog, plugin_fn, value, scale_after):
-    monkeypatch.setattr(precision_module, "OVERFLOW_WARN_AFTER", 2)
+    monkeypatch.setattr(engine_module, "OVERFLOW_WARN_AFTER", 2)
     model = Classifier(inject_at=(2, 3), inject_value=value)
     plugin = plugin_fn()
     snaps, collect = _Snapshots(), _Collect()
-    with caplog.at_level(logging.DEBUG, logger="lightning_amp.precision"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_amp.amp.engine"):
         with pytest.warns(UserWarning, match=r"2 optimizer steps in a row skipped.*net\.0\.weight"):
             trainer = _fit(model, plugin, steps=6, callbacks=[snaps], logger=collect, log_every_n_steps=1)
 
