@@ -130,7 +130,6 @@ class AmpPrecision(Precision):
                                  allow_missing_masters, warn=rank_zero_warn)
         self._ddp: Optional[Module] = None
 
-
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
         self._new_scaler()  # validates the scaler arguments now
@@ -188,7 +187,6 @@ class AmpPrecision(Precision):
     def _states(self) -> List[OptimizerStep]:
         return self._engine.states
 
-
     def convert_module(self, module: Module) -> Module:
         """Cast the model in place (O0: fp32; O2/O3: half, BatchNorm fp32 if kept) and hook its outputs."""
         trainer = getattr(module, "_trainer", None)
@@ -222,7 +220,6 @@ class AmpPrecision(Precision):
             with cast_context(props.dtype, self._device_type):
                 yield
 
-
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
         """Swap half params for fp32 masters (O2), give each optimizer a scaler, make step schedulers skip-aware."""
         lightning_module = _unwrap(model)
@@ -236,7 +233,6 @@ class AmpPrecision(Precision):
             if getattr(config, "interval", "step") == "step":
                 make_scheduler_skip_aware(config.scheduler)
         return model, optimizers, lr_schedulers
-
 
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """Multiply the loss by the current loss scale (computed in fp32) before the backward hooks."""
@@ -253,7 +249,6 @@ class AmpPrecision(Precision):
         synced = self._ddp is None or getattr(self._ddp, "require_backward_grad_sync", True)
         self._engine.move_grads_to_masters(synced, getattr(self._ddp, "process_group", None))
         return closure_loss
-
 
     @staticmethod
     def _clipping_requested(model: "pl.LightningModule") -> bool:
@@ -303,7 +298,6 @@ class AmpPrecision(Precision):
         for name, value in (("amp/loss_scale", scale), ("amp/skipped_steps", float(skipped))):
             model.log(name, value, on_step=True, on_epoch=False, logger=True, batch_size=1)
 
-
     def clip_gradients(
         self,
         optimizer: Optimizer,
@@ -318,7 +312,6 @@ class AmpPrecision(Precision):
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Divide ``optimizer``'s grads by their loss scale now (idempotent until the next backward)."""
         self._engine.state_of(optimizer).unscale()
-
 
     def state_dict(self) -> Dict[str, Any]:
         """Scaler state of every optimizer and the skipped-step counts (fp32 masters go in ``state_dict``)."""
