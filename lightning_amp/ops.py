@@ -475,16 +475,20 @@ def multi_tensor_adam(
     grad_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     model_copies: Optional[Sequence[Tensor]] = None,
+    checked: bool = False,
 ) -> None:
     """One Adam/AdamW step over lists of tensors, in place (torch.optim.Adam/AdamW semantics).
 
     ``adam_w_mode``: decoupled weight decay ``p *= 1 - lr * weight_decay`` (AdamW) instead of
     the L2 term ``g += weight_decay * p`` (Adam). ``max_exp_avg_sqs`` given = AMSGrad.
+    ``checked=True``: the caller validated the lists (cached), the per-tensor Python checks are
+    skipped (the compiled entry point still checks every argument).
     """
     state = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if max_exp_avg_sqs is not None:
         state["max_exp_avg_sqs"] = max_exp_avg_sqs
-    _check_optim_args("multi_tensor_adam", params, grads, state, steps, grad_scale, found_inf, model_copies)
+    if not checked:
+        _check_optim_args("multi_tensor_adam", params, grads, state, steps, grad_scale, found_inf, model_copies)
     if not params:
         return
     ext = _ext_for(params[0].device)
@@ -551,15 +555,18 @@ def multi_tensor_sgd(
     grad_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     model_copies: Optional[Sequence[Tensor]] = None,
+    checked: bool = False,
 ) -> None:
     """One SGD step in place (torch.optim.SGD semantics). ``momentum_buffers`` are required when
-    ``momentum != 0``; ``first_run`` means they are initialised to the (decayed) gradient."""
+    ``momentum != 0``; ``first_run`` means they are initialised to the (decayed) gradient.
+    ``checked``: as :func:`multi_tensor_adam`."""
     state = {}
     if momentum != 0:
         if momentum_buffers is None:
             raise ValueError("multi_tensor_sgd: momentum_buffers are required when momentum != 0")
         state["momentum_buffers"] = momentum_buffers
-    _check_optim_args("multi_tensor_sgd", params, grads, state, None, grad_scale, found_inf, model_copies)
+    if not checked:
+        _check_optim_args("multi_tensor_sgd", params, grads, state, None, grad_scale, found_inf, model_copies)
     if not params:
         return
     ext = _ext_for(params[0].device)

@@ -1,43 +1,34 @@
 """AmpPrecision and AmpO0Plugin..AmpO3Plugin: the thin Lightning adapter over ``lightning_amp.amp``.
 
-Hook order (Lightning's strategies): ``convert_module`` (cast the model in place) ->
-``connect`` (fp32 masters into the optimizers, one LossScaler per optimizer, skip-aware LR
-schedulers) -> per step ``convert_input``, ``forward_context``, ``pre_backward`` (loss * scale),
+Hook order: ``convert_module`` (cast the model in place) -> ``connect`` (the
+:class:`~lightning_amp.amp.engine.AmpEngine`: fp32 masters, one LossScaler and one
+:class:`~lightning_amp.amp.step.OptimizerStep` per optimizer; step-interval LR schedulers made
+skip-aware) -> per step ``convert_input``, ``forward_context``, ``pre_backward`` (loss * scale),
 ``post_backward`` (O2: half grads added into the fp32 master grads), ``optimizer_step``.
 
-``optimizer_step``: run the closure, unscale (into the masters under O2), agree on
-``found_inf`` across ranks (all-reduce MAX), then ``_after_closure`` (hooks and clipping see
-unscaled grads). On inf/nan the step is skipped: params, optimizer state and the LR scheduler
-(``interval="step"``) stay as they were, grads are dropped, the offending param names are
-logged at debug level (a one-line warning after every ``OVERFLOW_WARN_AFTER`` overflows in a
-row) and the scale backs off. Non-finite grads are checked and skipped at *every* level and
-scale, static 1.0 and bf16 included: no inf/nan ever reaches the params.
-
-Optimizers that unscale inside their kernel (``_step_supports_amp_scaling``, e.g.
-``torch.optim.AdamW(fused=True)`` or ``lightning_amp.FusedAdam``) get ``grad_scale`` /
-``found_inf`` as ``torch.amp.GradScaler`` hands them (``on_before_optimizer_step`` then sees
-scaled grads, as with GradScaler), unless clipping is requested: then the grads are unscaled
-first and the optimizer steps normally (clipping always works).
+``optimizer_step``: run the closure, unscale (into the masters under O2) or, for optimizers that
+unscale in their kernel (``_step_supports_amp_scaling``) when no clipping is requested, only check
+(``on_before_optimizer_step`` then sees scaled grads, as with GradScaler); agree on ``found_inf``
+across ranks (an all-reduce MAX of the device flag), ``_after_closure`` (hooks, clipping), then
+step. On inf/nan the step is skipped on the device: params, optimizer state and the LR scheduler
+(``interval="step"``) stay as they were and the scale backs off; when the flag reaches the host
+(:mod:`lightning_amp.amp.gate`) the grads are dropped and the offending param names logged at
+debug level (a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row). No host sync on
+the way with plain torch Adam/AdamW/SGD or protocol optimizers (see :mod:`lightning_amp.amp.step`
+for the drivers and the one host read of the first step). Non-finite grads are skipped at every
+level and scale, static 1.0 and bf16 included.
 
 Under O2 the grads live on the fp32 masters once a backward has finished (``on_after_backward``
-still sees the half ``.grad``; ``on_before_optimizer_step``, clipping and the optimizer see the
-masters' grads): inspect them through :func:`main_params` (``trainer.optimizers[i]``'s params),
-not through the module's half params, whose ``.grad`` is None by then.
-
-Several optimizers (manual optimization): each has its own scaler. A backward uses the
-smallest scale among the optimizers whose params require grad, and grads already held by such
-an optimizer at another scale are re-based first, so accumulated grads always carry one
-known factor.
+still sees the half ``.grad``): inspect them through :func:`main_params`. Several optimizers
+(manual optimization): each has its own scaler (see the engine for the shared backward scale).
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Generator
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
@@ -49,25 +40,14 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp.casts import cast_context
-from lightning_amp.amp.flat import FlatGradBuffer
+from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
+from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.levels import AmpProperties, resolve_properties
-from lightning_amp.amp.master import (
-    MasterParams,
-    nonfinite_flags,
-    optimizer_grads,
-    optimizer_params,
-    rescale_grads_,
-    unscale_grads_,
-)
+from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
 from lightning_amp.amp.scaler import LossScaler
+from lightning_amp.amp.step import OptimizerStep, agree, unscales_in_step
 
-log = logging.getLogger(__name__)
-
-OVERFLOW_WARN_AFTER = 10
-"""Overflows in a row of one optimizer after which (and every so many) a one-line warning is issued."""
-
-_SKIPPED_ATTR = "_lightning_amp_step_skipped"
 _STATE_VERSION = 1
 
 
@@ -76,141 +56,11 @@ def main_params(optimizer: Optimizer) -> Generator[Tensor, None, None]:
     yield from optimizer_params(optimizer)
 
 
-def _unscales_in_step(optimizer: Optimizer) -> bool:
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-# --------------------------------------------------------------------------------------
-# LR schedulers that do not advance on a skipped optimizer step
-# --------------------------------------------------------------------------------------
-
-_SKIP_AWARE: Dict[type, type] = {}
-
-
-def _skip_aware_class(cls: type) -> type:
-    if getattr(cls, "_lightning_amp_skip_aware", False):
-        return cls
-    if cls not in _SKIP_AWARE:
-
-        def step(self, *args: Any, **kwargs: Any) -> Any:
-            if getattr(getattr(self, "optimizer", None), _SKIPPED_ATTR, False):
-                return None  # the optimizer step it follows was skipped for non-finite grads
-            return cls.step(self, *args, **kwargs)
-
-        def __reduce_ex__(self, protocol: Any) -> Any:
-            # the wrapper class cannot be looked up by name: rebuild it from the original class
-            return _rebuild_skip_aware, (cls, self.__dict__.copy())
-
-        _SKIP_AWARE[cls] = type(
-            cls.__name__,
-            (cls,),
-            {"step": step, "__reduce_ex__": __reduce_ex__, "_lightning_amp_skip_aware": True,
-             "__module__": cls.__module__, "__qualname__": cls.__qualname__},
-        )
-    return _SKIP_AWARE[cls]
-
-
-def _rebuild_skip_aware(cls: type, state: Dict[str, Any]) -> Any:
-    scheduler = cls.__new__(cls)
-    scheduler.__dict__.update(state)
-    make_scheduler_skip_aware(scheduler)
-    return scheduler
-
-
-def make_scheduler_skip_aware(scheduler: Any) -> None:
-    """Make ``scheduler.step()`` a no-op right after a skipped step of ``scheduler.optimizer``.
-
-    The scheduler's class is swapped for a subclass (``isinstance`` and ``state_dict`` unchanged).
-    """
-    scheduler.__class__ = _skip_aware_class(type(scheduler))
-
-
-# --------------------------------------------------------------------------------------
-# Per-optimizer state
-# --------------------------------------------------------------------------------------
-
-
-class _OptimizerAmp:
-    """Scaler, masters and the loss-scale factor carried by one optimizer's current grads."""
-
-    def __init__(
-        self, optimizer: Optimizer, scaler: LossScaler, masters: Optional[MasterParams], combine_grad: bool = False
-    ) -> None:
-        self.optimizer = optimizer
-        self.scaler = scaler
-        self.masters = masters
-        # combine_grad: the stepped params' grads are views into one flat buffer per (device, dtype)
-        self.flat = FlatGradBuffer(list(optimizer_params(optimizer))) if combine_grad else None
-        self.model_params: List[Tensor] = masters.model_params if masters else list(optimizer_params(optimizer))
-        self.grad_factor = 1.0  # the loss scale the optimizer's grads are multiplied by right now
-        self.check: Optional[tuple] = None  # (found_inf, flags, params) of the last unscale / check
-        self.skipped = 0
-
-    def requires_grad(self) -> bool:
-        return any(p.requires_grad for p in self.model_params)
-
-    def rebase(self, scale: float) -> None:
-        """Before a backward at ``scale``: re-base grads already held at another factor onto it."""
-        if self.masters is not None and self.masters.has_model_grads():
-            self.masters.accumulate_model_grads_()
-        if self.flat is not None and not self.flat.views_intact():
-            self.flat.rebind()  # e.g. after zero_grad(set_to_none=True): autograd must add into the views
-        grads = optimizer_grads(self.optimizer)
-        if grads and self.grad_factor != scale:
-            rescale_grads_(grads, scale / self.grad_factor)
-        self.grad_factor = scale
-        self.check = None
-
-    def _params_with_grad(self) -> List[Tensor]:
-        if self.masters is not None and self.masters.has_model_grads():
-            self.masters.accumulate_model_grads_()
-        return [p for p in optimizer_params(self.optimizer) if p.grad is not None]
-
-    def unscale(self) -> tuple:
-        """Divide the grads by their factor in place (idempotent); ``(found_inf, flags, params)``."""
-        if self.check is not None and self.grad_factor == 1.0:
-            return self.check
-        params = self._params_with_grad()
-        if self.flat is not None and self.flat.views_intact() and len(params) == len(self.flat.params):
-            found_inf = self.flat.unscale_(self.grad_factor)  # one call per flat buffer
-            flags = nonfinite_flags([p.grad for p in params])[1] if found_inf.item() else None
-        else:
-            found_inf, flags = unscale_grads_([p.grad for p in params], 1.0 / self.grad_factor)
-        self.grad_factor = 1.0
-        self.check = (found_inf, flags, params)
-        return self.check
-
-    def inspect(self) -> tuple:
-        """Check the grads for inf/nan without touching them; ``(found_inf, flags, params)``."""
-        params = self._params_with_grad()
-        found_inf, flags = nonfinite_flags([p.grad for p in params])
-        return found_inf, flags, params
-
-    def clear_grads(self) -> None:
-        if self.masters is not None:
-            self.masters.clear_grads_()
-        for p in self.model_params:
-            p.grad = None
-        for p in optimizer_params(self.optimizer):
-            p.grad = None
-        if self.flat is not None:
-            self.flat.zero_()  # re-attaches the views, zeroed
-
-    def after_step(self, grads_unscaled: bool) -> None:
-        self.grad_factor = 1.0 if grads_unscaled else self.grad_factor
-        self.check = None
-
-
 def _unwrap(model: Module) -> Module:
     """The LightningModule inside a strategy wrapper (DDP, ...)."""
     while not isinstance(model, pl.LightningModule) and isinstance(getattr(model, "module", None), Module):
         model = model.module
     return model
-
-
-# --------------------------------------------------------------------------------------
-# The plugin
-# --------------------------------------------------------------------------------------
 
 
 class AmpPrecision(Precision):
@@ -230,6 +80,14 @@ class AmpPrecision(Precision):
         combine_grad: the grads of the params each optimizer steps on (the fp32 masters under O2)
             live as views in one flat buffer per (device, dtype)
             (:class:`~lightning_amp.amp.flat.FlatGradBuffer`); unscaling is one call per buffer.
+        fused_update: a plain ``torch.optim.Adam``/``AdamW``/``SGD`` is stepped by lightning_amp's
+            fused kernels (unscaled grads, skip decided on the device, under O2 the master update
+            and the half copy in one pass; :mod:`lightning_amp.amp.kernel_step` says which group
+            options qualify). False: the optimizer's own ``step()`` runs, and the skip is decided
+            on the host.
+        allow_missing_masters: under master weights, a param whose checkpoint entry is missing or
+            has another shape raises ValueError on save and on load (naming the params); True
+            keeps the current master instead, with a warning naming them.
 
     Properties: ``loss_scale`` (current scale of the first optimizer), ``loss_scales`` (all),
     ``skipped_steps`` (optimizer steps skipped for non-finite grads), ``properties``.
@@ -251,40 +109,26 @@ class AmpPrecision(Precision):
         min_loss_scale: Optional[float] = None,
         max_loss_scale: float = 2.0**24,
         combine_grad: bool = False,
+        fused_update: bool = True,
+        allow_missing_masters: bool = False,
     ) -> None:
-        if not isinstance(combine_grad, bool):
-            raise ValueError(f"`combine_grad` must be True or False; got {combine_grad!r}")
-        self.combine_grad = combine_grad
-        self._request = dict(
-            opt_level=opt_level,
-            dtype=dtype,
-            loss_scale=loss_scale,
-            keep_batchnorm_fp32=keep_batchnorm_fp32,
-            master_weights=master_weights,
-            cast_model_outputs=cast_model_outputs,
-        )
-        self._scaler_kwargs = dict(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-        )
+        for name, value in (("combine_grad", combine_grad), ("fused_update", fused_update),
+                            ("allow_missing_masters", allow_missing_masters)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False; got {value!r}")
+        self.combine_grad, self.fused_update, self.allow_missing_masters = combine_grad, fused_update, allow_missing_masters
+        self._request = dict(opt_level=opt_level, dtype=dtype, loss_scale=loss_scale,
+                             keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+                             cast_model_outputs=cast_model_outputs)
+        self._scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                                   growth_interval=growth_interval, hysteresis=hysteresis,
+                                   min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
         self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self._engine: Optional[AmpEngine] = None
         self._resolve()
-        self._scalers: List[LossScaler] = []
-        self._states: List[_OptimizerAmp] = []
-        self._skipped_steps = 0
+        self._engine = AmpEngine(self._properties, self._new_scaler, combine_grad, fused_update,
+                                 allow_missing_masters, warn=rank_zero_warn)
         self._ddp: Optional[Module] = None
-        self._local_master_grads = False  # masters hold grads of no_sync backwards, not yet all-reduced
-        self._param_names: Dict[Tensor, List[str]] = {}
-        self._pending_state: Optional[dict] = None
-        #: names of the params whose grads were non-finite at the last skipped step (this rank's view)
-        self.last_nonfinite_params: List[str] = []
-
-    # ---- configuration ---------------------------------------------------------------
 
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
@@ -297,6 +141,8 @@ class AmpPrecision(Precision):
             self.precision = f"{half}-true"
         else:
             self.precision = f"{half}-mixed"
+        if self._engine is not None:
+            self._engine.properties = props
 
     def _new_scaler(self) -> LossScaler:
         return LossScaler(self._properties.loss_scale, **self._scaler_kwargs)
@@ -314,24 +160,32 @@ class AmpPrecision(Precision):
     @property
     def loss_scale(self) -> float:
         """Current loss scale of the first optimizer (the initial scale before setup)."""
-        return self._scalers[0].scale if self._scalers else self._new_scaler().scale
+        return self.scalers[0].scale if self.scalers else self._new_scaler().scale
 
     @property
     def loss_scales(self) -> List[float]:
         """Current loss scale of every optimizer, in the order of ``trainer.optimizers``."""
-        return [s.scale for s in self._scalers]
+        return [s.scale for s in self.scalers]
 
     @property
     def scalers(self) -> List[LossScaler]:
         """The LossScaler of every optimizer."""
-        return list(self._scalers)
+        return list(self._engine.scalers)
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far because of non-finite gradients (all optimizers)."""
-        return self._skipped_steps
+        """Optimizer steps skipped so far because of non-finite gradients (all optimizers; waits for
+        the flags of steps still on their way to the host)."""
+        return self._engine.skipped_steps
 
-    # ---- model -----------------------------------------------------------------------
+    @property
+    def last_nonfinite_params(self) -> List[str]:
+        """Names of the params whose grads were non-finite at the last skipped step (this rank's view)."""
+        return self._engine.last_nonfinite_params
+
+    @property
+    def _states(self) -> List[OptimizerStep]:
+        return self._engine.states
 
     def convert_module(self, module: Module) -> Module:
         """Cast the model in place (O0: fp32; O2/O3: half, BatchNorm fp32 if kept) and hook its outputs."""
@@ -366,90 +220,24 @@ class AmpPrecision(Precision):
             with cast_context(props.dtype, self._device_type):
                 yield
 
-    # ---- optimizers ------------------------------------------------------------------
-
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
         """Swap half params for fp32 masters (O2), give each optimizer a scaler, make step schedulers skip-aware."""
         lightning_module = _unwrap(model)
         self._ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-        self._param_names = {}
+        names: Dict[Tensor, List[str]] = {}
         for name, param in lightning_module.named_parameters(remove_duplicate=False):
-            self._param_names.setdefault(param, []).append(name)
-
-        props = self._properties
-        registry: Dict[Tensor, Tensor] = {}
-        self._states = []
-        for index, optimizer in enumerate(optimizers):
-            self._check_optimizer(index, optimizer)
-            masters = MasterParams(optimizer, registry) if props.master_weights else None
-            self._warn_on_vanishing_eps(index, optimizer)
-            if index >= len(self._scalers):
-                self._scalers.append(self._new_scaler())
-            self._states.append(_OptimizerAmp(optimizer, self._scalers[index], masters, self.combine_grad))
-        if self._pending_state is not None:
-            self._load_scaler_states(self._pending_state)
-            self._pending_state = None
+            names.setdefault(param, []).append(name)
+        self._engine.connect(optimizers, names)
 
         for config in lr_schedulers:
             if getattr(config, "interval", "step") == "step":
                 make_scheduler_skip_aware(config.scheduler)
         return model, optimizers, lr_schedulers
 
-    def _check_optimizer(self, index: int, optimizer: Optimizer) -> None:
-        props = self._properties
-        if isinstance(optimizer, LBFGS) and (props.scaling_enabled or props.master_weights):
-            raise ValueError(
-                f"optimizers[{index}] ({type(optimizer).__name__}) re-evaluates its closure inside step() and cannot "
-                f"be used with loss scaling or master weights (opt_level={props.opt_level}, "
-                f"loss_scale={props.loss_scale!r}, master_weights={props.master_weights}). Allowed: "
-                "loss_scale=1.0 without master weights (e.g. O0, O3, or O1 with bfloat16)."
-            )
-
-    @staticmethod
-    def _warn_on_vanishing_eps(index: int, optimizer: Optimizer) -> None:
-        """A half param stepped directly (no master) with an ``eps`` that is 0 in its dtype divides by zero."""
-        for group in optimizer.param_groups:
-            eps = group.get("eps")
-            if not isinstance(eps, float) or eps <= 0:
-                continue
-            for param in group["params"]:
-                if param.dtype in (torch.float16, torch.bfloat16) and torch.tensor(eps, dtype=param.dtype).item() == 0:
-                    rank_zero_warn(
-                        f"lightning_amp: optimizers[{index}] ({type(optimizer).__name__}) steps {param.dtype} params "
-                        f"directly with eps={eps}, which is 0 in {param.dtype}: its updates can divide by zero and "
-                        "write inf/nan into the params. Use O2 (fp32 master weights) or a larger eps."
-                    )
-                    return
-
-    def _state_of(self, optimizer: Optimizer) -> _OptimizerAmp:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
-        for state in self._states:
-            if state.optimizer is optimizer:
-                return state
-        # an optimizer the Trainer did not hand to connect(): give it a scaler of its own
-        self._check_optimizer(len(self._states), optimizer)
-        self._scalers.append(self._new_scaler())
-        state = _OptimizerAmp(optimizer, self._scalers[-1], None)
-        self._states.append(state)
-        return state
-
-    # ---- backward --------------------------------------------------------------------
-
-    def _backward_scale(self) -> float:
-        if not self._states:
-            return 1.0
-        candidates = self._states
-        if len(candidates) > 1:
-            candidates = [s for s in self._states if s.requires_grad()] or self._states
-        scale = min(s.scaler.scale for s in candidates)
-        for state in candidates:
-            state.rebase(scale)
-        return scale
-
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """Multiply the loss by the current loss scale (computed in fp32) before the backward hooks."""
-        scale = self._backward_scale()
-        if scale != 1.0:
+        scale = self._engine.backward_scale()
+        if isinstance(scale, Tensor) or scale != 1.0:
             if tensor.dtype in (torch.float16, torch.bfloat16):
                 tensor = tensor.float()
             tensor = tensor * scale
@@ -458,44 +246,9 @@ class AmpPrecision(Precision):
     def post_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """After the user hooks: O2 half grads are added into the fp32 master grads (fp32 accumulation)."""
         closure_loss = super().post_backward(tensor, module)
-        self._move_grads_to_masters()
-        return closure_loss
-
-    def _move_grads_to_masters(self) -> None:
-        with_masters = [s for s in self._states if s.masters is not None]
-        if not with_masters:
-            return
         synced = self._ddp is None or getattr(self._ddp, "require_backward_grad_sync", True)
-        if synced and self._local_master_grads:
-            self._all_reduce_master_grads(with_masters)
-        for state in with_masters:
-            state.masters.accumulate_model_grads_()
-        if not synced:
-            self._local_master_grads = True
-
-    @torch.no_grad()
-    def _all_reduce_master_grads(self, states: List[_OptimizerAmp]) -> None:
-        """Average the grads that earlier ``no_sync`` backwards left in the masters (DDP skipped them)."""
-        self._local_master_grads = False
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        masters = list({id(m): m for s in states for m in s.masters.masters}.values())
-        if not masters:
-            return
-        group = getattr(self._ddp, "process_group", None)
-        flat = torch.cat([(m.grad if m.grad is not None else torch.zeros_like(m)).reshape(-1) for m in masters])
-        dist.all_reduce(flat, group=group)
-        flat.div_(dist.get_world_size(group))
-        offset = 0
-        for m in masters:
-            chunk = flat[offset : offset + m.numel()].view_as(m)
-            if m.grad is None:
-                m.grad = chunk.clone()
-            else:
-                m.grad.copy_(chunk)  # in place: keeps combine_grad's flat-buffer views attached
-            offset += m.numel()
-
-    # ---- optimizer step --------------------------------------------------------------
+        self._engine.move_grads_to_masters(synced, getattr(self._ddp, "process_group", None))
+        return closure_loss
 
     @staticmethod
     def _clipping_requested(model: "pl.LightningModule") -> bool:
@@ -506,14 +259,6 @@ class AmpPrecision(Precision):
             return True
         return type(model).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
 
-    @staticmethod
-    def _agree(found_inf: Tensor) -> bool:
-        """Every rank takes the same decision: the max of ``found_inf`` over all ranks."""
-        if dist.is_available() and dist.is_initialized():
-            found_inf = found_inf.detach().clone()
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        return bool(found_inf.item() != 0)
-
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Optimizer,
@@ -521,83 +266,37 @@ class AmpPrecision(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """Closure, unscale, agree on overflow, clip, then step (or skip) and update the scale."""
-        state = self._state_of(optimizer)
+        """Closure, unscale (or inspect), agree on overflow, clip, then step or skip on the device."""
+        state = self._engine.state_of(optimizer)
         if isinstance(optimizer, LBFGS):  # allowed only without scaling: needs its closure
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
             return None
-
-        in_kernel = _unscales_in_step(optimizer) and state.grad_factor != 1.0 and not self._clipping_requested(model)
-        found_inf, flags, params = state.inspect() if in_kernel else state.unscale()
-        skip = self._agree(found_inf)
+        state.gate.poll(wait=True)  # the previous step's deferred scheduler calls set the lr read below
+        factor = state.grad_factor
+        in_kernel = (unscales_in_step(optimizer) and state.driver == "protocol" and factor is not None
+                     and not (isinstance(factor, float) and factor == 1.0) and not self._clipping_requested(model))
+        found_inf = agree(state.inspect() if in_kernel else state.unscale())
         self._after_closure(model, optimizer)
-
-        if skip:
-            self._skip(state, flags, params)
-        else:
-            if in_kernel:
-                device = params[0].device if params else torch.device("cpu")
-                optimizer.grad_scale = torch.full((), state.grad_factor, dtype=torch.float32, device=device)
-                optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                try:
-                    optimizer.step(**kwargs)
-                finally:
-                    del optimizer.grad_scale, optimizer.found_inf
-            else:
-                optimizer.step(**kwargs)
-            if state.masters is not None:
-                state.masters.copy_to_model_()
-            setattr(optimizer, _SKIPPED_ATTR, False)
-        state.after_step(grads_unscaled=not in_kernel)
-        state.scaler.update(skip)
+        state.apply(found_inf, in_kernel, **kwargs)
         self._log_metrics(model)
         return closure_result
 
-    def _skip(self, state: _OptimizerAmp, flags: Optional[Tensor], params: List[Tensor]) -> None:
-        state.skipped += 1
-        self._skipped_steps += 1
-        setattr(state.optimizer, _SKIPPED_ATTR, True)
-        names = self._names_of_flagged(state, flags, params)
-        self.last_nonfinite_params = names
-        index = self._states.index(state)
-        log.debug(
-            "lightning_amp: optimizer %d step skipped for non-finite gradients (loss scale %s); params: %s",
-            index,
-            state.scaler.scale,
-            ", ".join(names) or "<on another rank>",
-        )
-        in_a_row = state.scaler.overflows_in_a_row + 1
-        if in_a_row % OVERFLOW_WARN_AFTER == 0:
-            shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
-            rank_zero_warn(
-                f"lightning_amp: {in_a_row} optimizer steps in a row skipped for non-finite gradients "
-                f"(optimizer {index}, loss scale {state.scaler.scale}); non-finite grads in: {shown or 'another rank'}"
-            )
-        state.clear_grads()
-
-    def _names_of_flagged(self, state: _OptimizerAmp, flags: Optional[Tensor], params: List[Tensor]) -> List[str]:
-        if flags is None:
-            return []
-        halves = {id(m): h for h, m in state.masters.pairs} if state.masters is not None else {}
-        names = []
-        for param, flag in zip(params, flags.tolist()):
-            if flag:
-                model_param = halves.get(id(param), param)
-                names.append(self._param_names.get(model_param, [f"<unnamed {tuple(param.shape)}>"])[0])
-        return names
-
     def _log_metrics(self, model: "pl.LightningModule") -> None:
+        """Log the scale (a device tensor) and the skipped steps settled so far, on the steps the
+        Trainer writes to its logger (``log_every_n_steps``) only."""
         trainer = model._trainer
         if trainer is None or trainer.barebones or model._current_fx_name is None or trainer._results is None:
             return
-        has_logger = trainer.logger is not None
-        for name, value in (("amp/loss_scale", self.loss_scale), ("amp/skipped_steps", self._skipped_steps)):
-            model.log(name, float(value), on_step=True, on_epoch=False, logger=has_logger, batch_size=1)
-
-    # ---- clipping --------------------------------------------------------------------
+        if trainer.logger is None or not trainer._logger_connector.should_update_logs:
+            return
+        scaler = self._engine.scalers[0]
+        scale = scaler.static_scale if scaler.static_scale is not None else scaler.scale_tensor.clone()
+        skipped = self._engine.settled_skipped_steps
+        for name, value in (("amp/loss_scale", scale), ("amp/skipped_steps", float(skipped))):
+            model.log(name, value, on_step=True, on_epoch=False, logger=True, batch_size=1)
 
     def clip_gradients(
         self,
@@ -607,24 +306,16 @@ class AmpPrecision(Precision):
     ) -> None:
         """Clip the (fp32 master under O2) grads after making sure they are unscaled; fused optimizers too."""
         if clip_val and clip_val > 0:
-            self._state_of(optimizer).unscale()
+            self._engine.state_of(optimizer).unscale()
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Divide ``optimizer``'s grads by their loss scale now (idempotent until the next backward)."""
-        self._state_of(optimizer).unscale()
-
-    # ---- checkpointing ---------------------------------------------------------------
+        self._engine.state_of(optimizer).unscale()
 
     def state_dict(self) -> Dict[str, Any]:
         """Scaler state of every optimizer and the skipped-step counts (fp32 masters go in ``state_dict``)."""
-        return {
-            "version": _STATE_VERSION,
-            "opt_level": self._properties.opt_level,
-            "loss_scalers": [s.state_dict() for s in self._scalers],
-            "skipped_steps": self._skipped_steps,
-            "skipped_per_optimizer": [s.skipped for s in self._states],
-        }
+        return {"version": _STATE_VERSION, "opt_level": self._properties.opt_level, **self._engine.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "loss_scalers" not in state_dict:
@@ -632,23 +323,7 @@ class AmpPrecision(Precision):
                 f"{type(self).__name__}.load_state_dict: `state_dict` must come from an AmpPrecision plugin "
                 f"(with a 'loss_scalers' list); got keys {sorted(state_dict) if isinstance(state_dict, dict) else state_dict!r}"
             )
-        self._skipped_steps = int(state_dict.get("skipped_steps", 0))
-        if self._states:
-            self._load_scaler_states(state_dict)
-        else:
-            self._pending_state = state_dict  # applied when connect() creates the scalers
-
-    def _load_scaler_states(self, state_dict: Dict[str, Any]) -> None:
-        saved = state_dict["loss_scalers"]
-        if len(saved) != len(self._scalers):
-            rank_zero_warn(
-                f"lightning_amp: the checkpoint holds {len(saved)} loss scaler(s) but there are "
-                f"{len(self._scalers)} optimizer(s); restoring the first {min(len(saved), len(self._scalers))}."
-            )
-        for scaler, scaler_state in zip(self._scalers, saved):
-            scaler.load_state_dict(scaler_state)
-        for state, skipped in zip(self._states, state_dict.get("skipped_per_optimizer", [])):
-            state.skipped = int(skipped)
+        self._engine.load_state_dict(state_dict)
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         """Under master weights, the checkpoint's ``state_dict`` holds the fp32 master values (exact resume,
@@ -661,14 +336,7 @@ class AmpPrecision(Precision):
         model_state = checkpoint.get("state_dict")
         if not isinstance(model_state, dict):
             return
-        for state in self._states:
-            if state.masters is None:
-                continue
-            for half, master in state.masters.pairs:
-                for name in self._param_names.get(half, []):
-                    # a strategy may save gathered full tensors of sharded params: only same-shape entries
-                    if isinstance(model_state.get(name), Tensor) and model_state[name].shape == master.shape:
-                        model_state[name] = master.detach().clone()
+        self._engine.masters_into(model_state)
         for key, value in model_state.items():
             if isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16):
                 model_state[key] = value.float()
@@ -684,17 +352,7 @@ class AmpPrecision(Precision):
         model_state = checkpoint.get("state_dict")
         if not isinstance(model_state, dict):
             return
-        for state in self._states:
-            if state.masters is None:
-                continue
-            values = {}
-            for half, _ in state.masters.pairs:
-                for name in self._param_names.get(half, []):
-                    value = model_state.get(name)
-                    if isinstance(value, Tensor) and value.shape == half.shape:  # sharded params: see on_save
-                        values[half] = value
-                        break
-            state.masters.load_masters_(values)
+        self._engine.masters_from(model_state)
 
 
 class AmpO0Plugin(AmpPrecision):

@@ -140,3 +140,52 @@ def test_o2_checkpoint_holds_fp32_masters_and_loads_into_a_plain_fp32_model(tmp_
     plain.load_state_dict({k.removeprefix("net."): v for k, v in state.items()}, strict=True)
     assert all(p.dtype == torch.float32 for p in plain.parameters())
     assert torch.equal(plain[0].weight, masters[0])
+
+
+def _o2_checkpoint(tmp_path):
+    plugin = AmpO2Plugin(dtype="bfloat16")
+    trainer = _trainer(plugin, 1)
+    trainer.fit(Net(), _loader())
+    path = tmp_path / "o2.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+@pytest.mark.parametrize("fault", ["missing", "reshaped"])
+def test_master_without_matching_checkpoint_entry_raises_or_warns_by_option(tmp_path, fault):
+    path = _o2_checkpoint(tmp_path)
+    checkpoint = torch.load(path, weights_only=False)
+    if fault == "missing":
+        del checkpoint["state_dict"]["net.3.weight"]
+    else:
+        checkpoint["state_dict"]["net.3.weight"] = checkpoint["state_dict"]["net.3.weight"].reshape(-1)
+
+    plugin = AmpO2Plugin(dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"net\.3\.weight.*allow_missing_masters"):
+        _load_only(plugin, checkpoint)  # the hook itself (Lightning's strict load may refuse earlier)
+
+    lenient = AmpO2Plugin(dtype="bfloat16", allow_missing_masters=True)
+    model = Net()
+    trainer = _trainer(lenient, 1)
+    trainer.fit(model, _loader())  # connects the masters
+    masters = {id(h): m for s in lenient._states for h, m in s.masters.pairs}
+    kept = masters[id(model.net[3].weight)].clone()
+    with pytest.warns(UserWarning, match=r"net\.3\.weight"):
+        lenient.on_load_checkpoint(checkpoint)
+    assert torch.equal(masters[id(model.net[3].weight)], kept)
+    assert torch.equal(masters[id(model.net[0].weight)], checkpoint["state_dict"]["net.0.weight"])
+
+
+def _load_only(plugin, checkpoint):
+    model = Net()
+    _trainer(plugin, 1).fit(model, _loader())
+    plugin.on_load_checkpoint(checkpoint)
+
+
+def test_saving_a_master_whose_entry_is_gone_raises(tmp_path):
+    plugin = AmpO2Plugin(dtype="bfloat16")
+    trainer = _trainer(plugin, 1)
+    trainer.fit(Net(), _loader())
+    checkpoint = {"state_dict": {k: v for k, v in trainer.lightning_module.state_dict().items() if k != "net.0.bias"}}
+    with pytest.raises(ValueError, match=r"net\.0\.bias"):
+        plugin.on_save_checkpoint(checkpoint)

@@ -92,6 +92,7 @@ class MasterParams:
                 self.pairs.append((param, master))
                 self._move_state(param, master)
         self.master_of: Dict[Tensor, Tensor] = {half: master for half, master in self.pairs}
+        self._trainable: Optional[Tuple[List[Tensor], List[Tensor], List[Tensor]]] = None
 
     def _move_state(self, half: Tensor, master: Tensor) -> None:
         state = self.optimizer.state.pop(half, None)
@@ -114,14 +115,59 @@ class MasterParams:
         """True when some half param holds a grad not yet moved into its master."""
         return any(half.grad is not None for half, _ in self.pairs)
 
+    def _grad_views(self) -> Optional[Tuple[List[Tensor], List[Tensor], List[Tensor]]]:
+        """(halves, masters, fp32 grad views) of the trainable pairs, built once; None when a half
+        carries a ``main_grad`` (the tensor-parallel strategy's buffer: handled param by param)."""
+        if self._trainable is None:
+            pairs = [(h, m) for h, m in self.pairs if h.requires_grad]
+            if any(isinstance(getattr(h, "main_grad", None), Tensor) for h, _ in pairs):
+                self._trainable = ([], [], [])
+            else:
+                views: Dict[int, Tensor] = {}
+                for device in {m.device for _, m in pairs}:
+                    on = [m for _, m in pairs if m.device == device]
+                    flat = torch.zeros(sum(m.numel() for m in on), dtype=torch.float32, device=device)
+                    for m, view in zip(on, torch.split(flat, [m.numel() for m in on])):
+                        views[id(m)] = view.view(m.shape)
+                self._trainable = ([h for h, _ in pairs], [m for _, m in pairs], [views[id(m)] for _, m in pairs])
+        return self._trainable if self._trainable[0] else None
+
     @torch.no_grad()
     def accumulate_model_grads_(self) -> None:
         """``master.grad += half.grad`` in fp32 (or ``= half.grad.float()``), then ``half.grad = None``.
 
+        Common case, one foreach call: every trainable half has a grad and the masters' grads are
+        their views into one flat fp32 buffer per device (attached by the first backward after the
+        masters' grads were cleared, copied into rather than added to). Otherwise param by param.
         A half param that carries an fp32 ``main_grad`` of its shape (the tensor-parallel strategy's
         flat buffer, which its ``.grad`` was exposed from) contributes that full-precision tensor
         instead of the rounded ``.grad``; the master's grad then aliases it when it had none.
         """
+        if not self._accumulate_all_at_once():
+            self._accumulate_one_by_one()
+
+    def _accumulate_all_at_once(self) -> bool:
+        trainable = self._grad_views()
+        if trainable is None:
+            return False
+        halves, masters, views = trainable
+        grads = [h.grad for h in halves]
+        if any(g is None for g in grads):
+            return False
+        attached = [m.grad is v for m, v in zip(masters, views)]
+        if all(attached):
+            torch._foreach_add_(views, grads)
+        elif not any(attached) and all(m.grad is None for m in masters):
+            torch._foreach_copy_(views, grads)
+            for m, v in zip(masters, views):
+                m.grad = v
+        else:
+            return False
+        for h in halves:
+            h.grad = None
+        return True
+
+    def _accumulate_one_by_one(self) -> None:
         for half, master in self.pairs:
             grad = half.grad
             if grad is None:
@@ -170,3 +216,48 @@ class MasterParams:
             half.grad = None
         for param in optimizer_params(self.optimizer):
             param.grad = None
+
+
+def _sharded(param: Tensor) -> bool:
+    """Tensor-parallel shards: their checkpoint entries are the gathered full tensors (the strategy
+    saves and loads those masters itself)."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def masters_into_state_dict(pairs: Sequence[Tuple[Tensor, Tensor]], names: Dict[Tensor, List[str]],
+                            model_state: Dict[str, object]) -> List[str]:
+    """Write each fp32 master over its half param's entries of ``model_state`` (by the param's names).
+
+    Returns the names of the (unsharded) params whose entry was missing or had another shape:
+    nothing was written for them, the caller decides whether that is an error.
+    """
+    mismatched = []
+    for half, master in pairs:
+        found = False
+        for name in names.get(half, []):
+            value = model_state.get(name)
+            if isinstance(value, Tensor) and value.shape == master.shape:
+                model_state[name] = master.detach().clone()
+                found = True
+        if not found and not _sharded(half):
+            mismatched += names.get(half, [f"<unnamed {tuple(half.shape)}>"])[:1]
+    return mismatched
+
+
+def load_masters(masters: "MasterParams", names: Dict[Tensor, List[str]], model_state: Dict[str, object]) -> List[str]:
+    """Set ``masters`` from the full-precision entries of ``model_state`` (by their params' names).
+
+    Returns the names of the (unsharded) params with no entry of their shape; those keep their masters.
+    """
+    values, mismatched = {}, []
+    for half, _ in masters.pairs:
+        for name in names.get(half, []):
+            value = model_state.get(name)
+            if isinstance(value, Tensor) and value.shape == half.shape:
+                values[half] = value
+                break
+        else:
+            if not _sharded(half):
+                mismatched += names.get(half, [f"<unnamed {tuple(half.shape)}>"])[:1]
+    masters.load_masters_(values)
+    return mismatched

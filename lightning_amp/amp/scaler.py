@@ -1,8 +1,13 @@
-"""LossScaler: static or dynamic loss scaling, framework-free, state held in Python floats.
+"""LossScaler: static or dynamic loss scaling, framework-free, state held in device tensors.
 
-The scale is a plain Python float, so reading it never synchronises a device; the caller
-reduces ``found_inf`` (across ranks too) and calls ``update(found_inf)`` once per optimizer
-step, skipped or not.
+The state (scale, growth and hysteresis trackers, overflow counters) lives in 0-dim tensors on
+one device (:meth:`LossScaler.to`), so ``update(found_inf)`` with a device ``found_inf`` is a
+handful of device ops and never reads the flag on the host: the scale update makes no host
+sync. :attr:`scale_tensor` (fp32) is what the step path multiplies the loss by and hands to
+kernels as ``grad_scale``. The Python-number properties (``scale``, ``growth_tracker``, ...) and
+``state_dict`` read the device state, i.e. synchronise: use them outside the step path. The
+caller reduces ``found_inf`` (across ranks too) and calls ``update(found_inf)`` once per
+optimizer step, skipped or not.
 
 Dynamic rule (Megatron-LM ``DynamicGradScaler``; ``hysteresis=1`` is apex's LossScaler):
 
@@ -26,6 +31,9 @@ from __future__ import annotations
 
 import math
 from typing import Any, Dict, Optional, Union
+
+import torch
+from torch import Tensor
 
 from lightning_amp.amp.levels import check_loss_scale
 
@@ -97,63 +105,99 @@ class LossScaler:
         self.backoff_factor = backoff_factor
         self.min_loss_scale = min_scale
         self.max_loss_scale = max_scale
-        self._scale = min(max(init_scale, min_scale), max_scale) if self.dynamic else spec
-        self._growth_tracker = 0
-        self._hysteresis_tracker = self.hysteresis
-        self.overflows_in_a_row = 0
-        self.total_overflows = 0
-        self.steps = 0
+        #: the static scale as a Python float (None when dynamic): known on the host, never changes
+        self.static_scale: Optional[float] = None if self.dynamic else spec
+        self.steps = 0  # updates so far (host-side: every update is counted without reading the flag)
+        scale = min(max(init_scale, min_scale), max_scale) if self.dynamic else spec
+        self._set_state(scale, 0, self.hysteresis, 0, 0, torch.device("cpu"))
+
+    def _set_state(self, scale: float, growth: int, hyst: int, in_a_row: int, total: int, device) -> None:
+        # float64 scale: exact as a Python float (odd factors such as 0.4 round as in Python)
+        self._scale = torch.tensor(scale, dtype=torch.float64, device=device)
+        self._scale32 = self._scale.float()
+        # [growth tracker, hysteresis tracker, overflows in a row, total overflows]
+        self._counters = torch.tensor([growth, hyst, in_a_row, total], dtype=torch.int64, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._scale.device
+
+    def to(self, device: Union[str, torch.device]) -> "LossScaler":
+        """Move the state to ``device`` (where the grads and ``found_inf`` live); returns self."""
+        device = torch.device(device)
+        if device != self._scale.device:
+            self._scale = self._scale.to(device)
+            self._scale32 = self._scale32.to(device)
+            self._counters = self._counters.to(device)
+        return self
+
+    @property
+    def scale_tensor(self) -> Tensor:
+        """The current scale as a 0-dim fp32 tensor on :attr:`device` (updated in place; no host read)."""
+        return self._scale32
 
     @property
     def scale(self) -> float:
-        """The current loss scale (a Python float)."""
-        return self._scale
+        """The current loss scale (a Python float; reads the device state)."""
+        return self.static_scale if self.static_scale is not None else float(self._scale.item())
 
     @property
     def inv_scale(self) -> float:
         """1 / scale: the factor that unscales gradients."""
-        return 1.0 / self._scale
+        return 1.0 / self.scale
 
     @property
     def growth_tracker(self) -> int:
         """Clean steps in a row since the last growth or overflow."""
-        return self._growth_tracker
+        return int(self._counters[0].item())
 
     @property
     def hysteresis_tracker(self) -> int:
         """Overflows still tolerated before the next backoff (0: every overflow backs off)."""
-        return self._hysteresis_tracker
+        return int(self._counters[1].item())
 
+    @property
+    def overflows_in_a_row(self) -> int:
+        return int(self._counters[2].item())
+
+    @property
+    def total_overflows(self) -> int:
+        return int(self._counters[3].item())
+
+    @torch.no_grad()
     def update(self, found_inf: Any) -> None:
-        """Advance by one optimizer step; ``found_inf`` is truthy when that step's grads overflowed."""
-        found_inf = bool(found_inf)
+        """Advance by one optimizer step; ``found_inf`` (a bool, a number or a one-element tensor, e.g.
+        on the device) is non-zero when that step's grads overflowed. Device ops only, no host read."""
         self.steps += 1
-        if found_inf:
-            self.overflows_in_a_row += 1
-            self.total_overflows += 1
+        if isinstance(found_inf, Tensor):
+            flag = (found_inf.reshape(()) != 0).to(device=self.device, dtype=torch.int64, non_blocking=True)
         else:
-            self.overflows_in_a_row = 0
+            flag = torch.tensor(int(bool(found_inf)), dtype=torch.int64, device=self.device)
+        c = self._counters
+        c[2].add_(1).mul_(flag)  # overflows in a row
+        c[3].add_(flag)  # total overflows
         if not self.dynamic:
             return
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)
-            if self._hysteresis_tracker <= 0:
-                self._scale = max(self._scale * self.backoff_factor, self.min_loss_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker >= self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self._scale = min(self._scale * self.growth_factor, self.max_loss_scale)
+        clean = 1 - flag
+        c[0].add_(1).mul_(clean)  # growth tracker: +1, or 0 on overflow
+        c[1].sub_(flag).clamp_(min=0)  # hysteresis budget: -1 on overflow
+        backoff = flag * (c[1] <= 0)
+        grow = c[0] >= self.growth_interval  # only after a clean step
+        self._scale.copy_(torch.where(
+            backoff.bool(), (self._scale * self.backoff_factor).clamp_(min=self.min_loss_scale),
+            torch.where(grow, (self._scale * self.growth_factor).clamp_(max=self.max_loss_scale), self._scale),
+        ))
+        c[1].copy_(torch.where(grow, self.hysteresis, c[1]))
+        c[0].mul_(~grow)
+        self._scale32.copy_(self._scale)
 
     def state_dict(self) -> Dict[str, Any]:
         """All mutable state (plain Python values), enough to resume the trajectory exactly."""
         return {
             "dynamic": self.dynamic,
-            "scale": self._scale,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
             "overflows_in_a_row": self.overflows_in_a_row,
             "total_overflows": self.total_overflows,
             "steps": self.steps,
@@ -168,15 +212,15 @@ class LossScaler:
         missing = [k for k in ("scale", "growth_tracker", "hysteresis_tracker") if k not in state_dict]
         if missing:
             raise ValueError(f"`state_dict` lacks the LossScaler keys {missing}; got keys {sorted(state_dict)}")
+        scale = self.scale
         if self.dynamic:
             saved = _positive_finite(float(state_dict["scale"]), "state_dict['scale']")
-            self._scale = min(max(saved, self.min_loss_scale), self.max_loss_scale)
-        self._growth_tracker = int(state_dict["growth_tracker"])
-        self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
-        self.overflows_in_a_row = int(state_dict.get("overflows_in_a_row", 0))
-        self.total_overflows = int(state_dict.get("total_overflows", 0))
+            scale = min(max(saved, self.min_loss_scale), self.max_loss_scale)
+        self._set_state(scale, int(state_dict["growth_tracker"]), int(state_dict["hysteresis_tracker"]),
+                        int(state_dict.get("overflows_in_a_row", 0)), int(state_dict.get("total_overflows", 0)),
+                        self.device)
         self.steps = int(state_dict.get("steps", 0))
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
-        return f"LossScaler({kind}, scale={self._scale}, overflows_in_a_row={self.overflows_in_a_row})"
+        return f"LossScaler({kind}, scale={self.scale}, overflows_in_a_row={self.overflows_in_a_row})"

@@ -1,0 +1,237 @@
+"""AmpEngine: every optimizer of one model under one opt level, framework-free.
+
+Owns one :class:`~lightning_amp.amp.step.OptimizerStep` and one :class:`LossScaler` per optimizer,
+the O2 masters (:class:`MasterParams`, one master per model param shared through a registry), the
+scale of each backward (the smallest among the optimizers whose params require grad; grads
+already held at another factor are re-based first, so accumulated grads carry one known factor),
+the fp32 accumulation of half grads (with the all-reduce a DDP ``no_sync`` backward left to do),
+what happens when a skipped step reaches the host (names of the offending params at debug level,
+a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row, the grads dropped), and the
+scaler and master parts of checkpoints. The Lightning plugin (``lightning_amp.precision``) only
+calls into it from its hooks.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lightning_amp.amp.levels import AmpProperties
+from lightning_amp.amp.master import MasterParams, load_masters, masters_into_state_dict
+from lightning_amp.amp.scaler import LossScaler
+from lightning_amp.amp.step import OptimizerStep, all_reduce_master_grads
+
+log = logging.getLogger(__name__)
+
+OVERFLOW_WARN_AFTER = 10
+"""Overflows in a row of one optimizer after which (and every so many) a one-line warning is issued."""
+
+
+class AmpEngine:
+    """The per-model mixed-precision state (see the module docstring).
+
+    Args:
+        properties: the resolved opt level (the plugin may replace it before :meth:`connect`).
+        new_scaler: makes the LossScaler of one optimizer.
+        combine_grad, fused_update: as :class:`OptimizerStep`.
+        allow_missing_masters: a master without a checkpoint entry of its shape warns instead of raising.
+        warn: how warnings are issued (the plugin passes a rank-zero warn).
+    """
+
+    def __init__(self, properties: AmpProperties, new_scaler: Callable[[], LossScaler], combine_grad: bool = False,
+                 fused_update: bool = True, allow_missing_masters: bool = False,
+                 warn: Callable[[str], None] = warnings.warn) -> None:
+        self.properties = properties
+        self._new_scaler = new_scaler
+        self.combine_grad, self.fused_update, self.allow_missing_masters = combine_grad, fused_update, allow_missing_masters
+        self.warn = warn
+        self._scalers: List[LossScaler] = []
+        self._states: List[OptimizerStep] = []
+        self._skipped_before = 0  # skipped steps restored from a checkpoint for optimizers not present
+        self._local_master_grads = False  # masters hold grads of no_sync backwards, not yet all-reduced
+        self._pending_state: Optional[dict] = None
+        self.param_names: Dict[Tensor, List[str]] = {}
+        #: names of the params whose grads were non-finite at the last skipped step (this rank's view)
+        self.last_nonfinite_params: List[str] = []
+
+    def connect(self, optimizers: List[torch.optim.Optimizer], param_names: Dict[Tensor, List[str]]) -> None:
+        """fp32 masters (under master weights), a scaler and an OptimizerStep for every optimizer."""
+        self.param_names = param_names
+        registry: Dict[Tensor, Tensor] = {}
+        self._states = []
+        for index, optimizer in enumerate(optimizers):
+            self._check_optimizer(index, optimizer)
+            masters = MasterParams(optimizer, registry) if self.properties.master_weights else None
+            self._warn_on_vanishing_eps(index, optimizer)
+            if index >= len(self._scalers):
+                self._scalers.append(self._new_scaler())
+            self._states.append(self._new_state(optimizer, self._scalers[index], masters, self.combine_grad))
+        if self._pending_state is not None:
+            self.load_scaler_states(self._pending_state)
+            self._pending_state = None
+
+    @property
+    def states(self) -> List[OptimizerStep]:
+        return self._states
+
+    @property
+    def scalers(self) -> List[LossScaler]:
+        return self._scalers
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (all optimizers; waits for the flags still on their way to the host)."""
+        for state in self._states:
+            state.gate.poll(wait=True)
+        return self.settled_skipped_steps
+
+    @property
+    def settled_skipped_steps(self) -> int:
+        """Skipped steps whose flags have reached the host (no wait)."""
+        return self._skipped_before + sum(s.skipped for s in self._states)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "loss_scalers": [s.state_dict() for s in self._scalers],
+            "skipped_steps": self.skipped_steps,
+            "skipped_per_optimizer": [s.skipped for s in self._states],
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._skipped_before = int(state_dict.get("skipped_steps", 0))
+        if self._states:
+            self.load_scaler_states(state_dict)
+        else:
+            self._pending_state = state_dict  # applied when connect() creates the scalers
+
+    def masters_into(self, model_state: Dict[str, Any]) -> None:
+        """Write the fp32 masters over their params' entries of a model ``state_dict``."""
+        pairs = [pair for state in self._states if state.masters is not None for pair in state.masters.pairs]
+        self.report_masters(masters_into_state_dict(pairs, self.param_names, model_state), "saved")
+
+    def masters_from(self, model_state: Dict[str, Any]) -> None:
+        """Set the fp32 masters from a model ``state_dict``'s full-precision entries."""
+        for state in self._states:
+            if state.masters is not None:
+                self.report_masters(load_masters(state.masters, self.param_names, model_state), "loaded")
+
+    def _check_optimizer(self, index: int, optimizer: torch.optim.Optimizer) -> None:
+        props = self.properties
+        if isinstance(optimizer, torch.optim.LBFGS) and (props.scaling_enabled or props.master_weights):
+            raise ValueError(
+                f"optimizers[{index}] ({type(optimizer).__name__}) re-evaluates its closure inside step() and cannot "
+                f"be used with loss scaling or master weights (opt_level={props.opt_level}, "
+                f"loss_scale={props.loss_scale!r}, master_weights={props.master_weights}). Allowed: "
+                "loss_scale=1.0 without master weights (e.g. O0, O3, or O1 with bfloat16)."
+            )
+
+    def _warn_on_vanishing_eps(self, index: int, optimizer: torch.optim.Optimizer) -> None:
+        """A half param stepped directly (no master) with an ``eps`` that is 0 in its dtype divides by zero."""
+        for group in optimizer.param_groups:
+            eps = group.get("eps")
+            if not isinstance(eps, float) or eps <= 0:
+                continue
+            for param in group["params"]:
+                if param.dtype in (torch.float16, torch.bfloat16) and torch.tensor(eps, dtype=param.dtype).item() == 0:
+                    self.warn(
+                        f"lightning_amp: optimizers[{index}] ({type(optimizer).__name__}) steps {param.dtype} params "
+                        f"directly with eps={eps}, which is 0 in {param.dtype}: its updates can divide by zero and "
+                        "write inf/nan into the params. Use O2 (fp32 master weights) or a larger eps."
+                    )
+                    return
+
+
+    def _new_state(self, optimizer: torch.optim.Optimizer, scaler: LossScaler, masters: Optional[MasterParams],
+                   combine_grad: bool) -> OptimizerStep:
+        return OptimizerStep(optimizer, scaler, masters, combine_grad, self.fused_update, on_skip=self._on_skip)
+
+    def state_of(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a Lightningtorch.optim.Optimizer wraps the real one
+        for state in self._states:
+            if state.optimizer is optimizer:
+                return state
+        # an optimizer the Trainer did not hand to connect(): give it a scaler of its own
+        self._check_optimizer(len(self._states), optimizer)
+        self._scalers.append(self._new_scaler())
+        state = self._new_state(optimizer, self._scalers[-1], None, False)
+        self._states.append(state)
+        return state
+
+
+    def backward_scale(self) -> Union[float, Tensor]:
+        """The scale of the next backward: a float when static, else the device tensor (no host read)."""
+        if not self._states:
+            return 1.0
+        candidates = self._states
+        if len(candidates) > 1:
+            candidates = [s for s in self._states if s.requires_grad()] or self._states
+        scales = [s.scaler.static_scale if s.scaler.static_scale is not None else s.scaler.scale_tensor
+                  for s in candidates]
+        if len(scales) == 1 or all(isinstance(x, float) for x in scales):
+            scale = scales[0] if len(scales) == 1 else min(scales)
+        else:
+            scale = torch.stack([torch.as_tensor(x, device=candidates[0].scaler.device) for x in scales]).min()
+        for state in candidates:
+            state.gate.poll()
+            state.rebase(scale, shared=len(candidates) > 1)
+        return scale
+
+
+    def move_grads_to_masters(self, synced: bool = True, group: Any = None) -> None:
+        """After a backward: half grads into the fp32 master grads. ``synced=False`` (a DDP ``no_sync``
+        backward): those grads are local; they are averaged over ``group`` after the next synced one."""
+        with_masters = [s for s in self._states if s.masters is not None]
+        if not with_masters:
+            return
+        if synced and self._local_master_grads:
+            self._local_master_grads = False
+            all_reduce_master_grads(with_masters, group)
+        for state in with_masters:
+            state.masters.accumulate_model_grads_()
+        if not synced:
+            self._local_master_grads = True
+
+
+    def _on_skip(self, state: OptimizerStep) -> None:
+        """A skipped step reached the host: name the params, log, warn every OVERFLOW_WARN_AFTER in a row."""
+        names = [self.param_names.get(p, [f"<unnamed {tuple(p.shape)}>"])[0] for p in state.nonfinite_params()]
+        self.last_nonfinite_params = names
+        index = self._states.index(state)
+        in_a_row = state.scaler.overflows_in_a_row
+        log.debug("lightning_amp: optimizer %d step skipped for non-finite gradients (loss scale %s); params: %s",
+                  index, state.scaler.scale, ", ".join(names) or "<on another rank>")
+        if in_a_row % OVERFLOW_WARN_AFTER == 0:
+            shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+            self.warn(
+                f"lightning_amp: {in_a_row} optimizer steps in a row skipped for non-finite gradients "
+                f"(optimizer {index}, loss scale {state.scaler.scale}); non-finite grads in: {shown or 'another rank'}"
+            )
+
+
+    def load_scaler_states(self, state_dict: Dict[str, Any]) -> None:
+        saved = state_dict["loss_scalers"]
+        if len(saved) != len(self._scalers):
+            self.warn(
+                f"lightning_amp: the checkpoint holds {len(saved)} loss scaler(s) but there are "
+                f"{len(self._scalers)} optimizer(s); restoring the first {min(len(saved), len(self._scalers))}."
+            )
+        for scaler, scaler_state in zip(self._scalers, saved):
+            scaler.load_state_dict(scaler_state)
+        for state, skipped in zip(self._states, state_dict.get("skipped_per_optimizer", [])):
+            state.skipped = int(skipped)
+        self._skipped_before -= sum(s.skipped for s in self._states)  # the rest: optimizers not here now
+
+
+    def report_masters(self, mismatched: List[str], verb: str) -> None:
+        if not mismatched:
+            return
+        message = (f"lightning_amp: the fp32 masters of {len(mismatched)} param(s) could not be {verb}: the "
+                   f"checkpoint's state_dict has no entry of the param's shape for {', '.join(mismatched)}")
+        if not self.allow_missing_masters:
+            raise ValueError(message + " (pass allow_missing_masters=True to keep the current masters instead)")
+        self.warn(message + "; their current masters are kept (allow_missing_masters=True)")
+
+

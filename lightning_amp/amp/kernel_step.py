@@ -1,0 +1,230 @@
+"""KernelStep: a user's ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` stepped by lightning_amp's fused kernels.
+
+One kernel call per (param group, device, dtype) updates the params (the fp32 masters under O2)
+and their state, writes the rounded half copy of each master (``model_copies``) in the same pass,
+and changes nothing at all when the device flag ``found_inf`` is non-zero (step counters
+included): no host read decides the skip.
+
+Which optimizers (:func:`supports`): the class is exactly ``torch.optim.Adam``, ``AdamW`` or
+``SGD`` (subclasses may override ``step``), not ``fused=True`` (those unscale in their own
+kernel), and every group has a float ``lr`` and ``betas``, ``maximize=False`` and
+``differentiable=False``; Adam's ``amsgrad`` and ``decoupled_weight_decay``, SGD's momentum,
+dampening, nesterov and weight decay are supported; an optimizer with step pre/post hooks
+steps itself (the hooks run). Anything else steps itself. The rule is
+checked whenever the plan is (re)built and its inputs on every step (a group edit that leaves
+the rule makes the optimizer step itself from then on).
+
+Contract towards the user's optimizer object: hyperparameters are read from ``param_groups`` on
+every step (LR schedulers and group edits take effect); the state is torch's (``step`` a 0-dim
+fp32 tensor on the param's device, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with
+amsgrad; ``momentum_buffer`` for SGD with momentum), so ``state_dict()`` loads into a plain
+torch optimizer and back. Math is fp32 (torch computes in the param's dtype: equal on fp32
+params and masters up to rounding order, more accurate on 16-bit params).
+
+Host cost: the lists (params, state, half copies) are built once and rebuilt only when the
+number of groups or a group's params list changes (``len`` and identity of the list and of its
+first and last param), or when a param has no state yet. The first step of a plan with
+missing state reads ``found_inf`` on the host (once), so a skipped first step creates no state.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_amp import ops
+
+KERNEL_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _group_supported(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> bool:
+    if group.get("maximize", False) or group.get("differentiable", False) or group.get("fused", False):
+        return False
+    if not isinstance(group["lr"], float) and not (isinstance(group["lr"], int) and not isinstance(group["lr"], bool)):
+        return False
+    if isinstance(optimizer, torch.optim.SGD):
+        return True
+    return all(isinstance(b, (float, int)) for b in group["betas"])
+
+
+def supports(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :class:`KernelStep` can step ``optimizer`` (the rule in the module docstring; an
+    optimizer with step pre/post hooks registered steps itself, so the hooks run)."""
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+        return False
+    return type(optimizer) in KERNEL_CLASSES and all(_group_supported(optimizer, g) for g in optimizer.param_groups)
+
+
+class _Part:
+    """One kernel call: params of one group sharing (device, dtype, has-half-copy)."""
+
+    def __init__(self, optimizer, group: dict, params: List[Tensor], copies: Optional[List[Tensor]]) -> None:
+        self.group, self.params, self.copies = group, params, copies
+        self.device = params[0].device
+        state = [optimizer.state[p] for p in params]
+        self.steps = [st.get("step") for st in state]
+        self.exp_avgs = [st.get("exp_avg") for st in state]
+        self.exp_avg_sqs = [st.get("exp_avg_sq") for st in state]
+        self.max_exp_avg_sqs = [st.get("max_exp_avg_sq") for st in state]
+        self.momentum_buffers = [st.get("momentum_buffer") for st in state]
+
+
+class KernelStep:
+    """Steps ``optimizer`` (see :func:`supports`) with the fused kernels.
+
+    Args:
+        optimizer: a torch Adam/AdamW/SGD (its params are the fp32 masters under O2).
+        copy_of: param -> 16-bit model param that receives the param rounded (O2's half copy).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, copy_of: Dict[Tensor, Tensor]) -> None:
+        self.optimizer = optimizer
+        self.copy_of = copy_of
+        self.adam = not isinstance(optimizer, torch.optim.SGD)
+        self.adam_w = isinstance(optimizer, torch.optim.AdamW)
+        self._signature: Optional[tuple] = None
+        self._parts: List[_Part] = []
+        self._fresh = True
+
+    def _current_signature(self) -> tuple:
+        return tuple(
+            (id(g["params"]), len(g["params"]), id(g["params"][0]) if g["params"] else 0,
+             id(g["params"][-1]) if g["params"] else 0, bool(g.get("amsgrad")), g.get("momentum", 0) != 0)
+            for g in self.optimizer.param_groups
+        )
+
+    def usable(self) -> bool:
+        """True when this step can run through the kernels (the plan is rebuilt here if needed)."""
+        signature = self._current_signature()
+        if signature != self._signature:
+            if not supports(self.optimizer):
+                return False
+            self._signature = signature
+            self._build()
+        return True
+
+    def _build(self) -> None:
+        state = self.optimizer.state
+        self._fresh = False
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.dtype not in _FLOATS:
+                    raise TypeError(f"{type(self.optimizer).__name__}: the fused step takes float32/float16/bfloat16 "
+                                    f"params, got {p.dtype}")
+                if self._needs_state(p, group):
+                    self._fresh = True
+                else:
+                    self._normalise_state(p)
+        self._parts = []
+        if self._fresh:
+            return
+        for group in self.optimizer.param_groups:
+            buckets: Dict[tuple, List[Tensor]] = {}
+            for p in group["params"]:
+                if p.requires_grad:
+                    buckets.setdefault((p.device, p.dtype, p in self.copy_of), []).append(p)
+            for (_, _, copied), params in buckets.items():
+                copies = [self.copy_of[p] for p in params] if copied else None
+                self._parts.append(_Part(self.optimizer, group, params, copies))
+
+    def _needs_state(self, p: Tensor, group: dict) -> bool:
+        st = self.optimizer.state.get(p, {})
+        if self.adam:
+            return "exp_avg" not in st or (group["amsgrad"] and "max_exp_avg_sq" not in st)
+        return group["momentum"] != 0 and st.get("momentum_buffer") is None
+
+    def _normalise_state(self, p: Tensor) -> None:
+        """State loaded from a checkpoint: step as a device fp32 counter, buffers in the param's dtype."""
+        st = self.optimizer.state[p]
+        for key, value in list(st.items()):
+            if not isinstance(value, Tensor):
+                continue
+            if key == "step":
+                if value.device != p.device or value.dtype != torch.float32 or value.dim() != 0:
+                    st[key] = value.to(device=p.device, dtype=torch.float32).reshape(())
+            elif value.dtype != p.dtype or value.device != p.device or not value.is_contiguous():
+                st[key] = value.to(device=p.device, dtype=p.dtype).contiguous()
+
+    @property
+    def needs_host_flag(self) -> bool:
+        """True while some param has no state yet: that step must know the flag on the host."""
+        return self._fresh
+
+    def _init_state(self) -> None:
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None or not self._needs_state(p, group):
+                    continue
+                st = self.optimizer.state[p]
+                if self.adam:
+                    st.setdefault("step", torch.zeros((), dtype=torch.float32, device=p.device))
+                    for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
+                        st.setdefault(key, torch.zeros_like(p, memory_format=torch.contiguous_format))
+                else:
+                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    st["_first"] = True  # the kernel's first run sets the buffer to the grad, as torch
+
+    @torch.no_grad()
+    def step(self, found_inf: Callable[[torch.device], Optional[Tensor]], skipped_on_host: bool = False) -> None:
+        """One update of every group; ``found_inf(device)`` is the agreed device flag (grads unscaled)."""
+        self.optimizer._opt_called = True  # what torch's step wrapper records for its LR schedulers
+        if self._fresh:
+            if skipped_on_host:
+                return
+            self._init_state()
+            self._first_step(found_inf)
+            self._signature = None  # state complete now: build the cached plan next time
+            return
+        for part in self._parts:
+            params, grads = part.params, [p.grad for p in part.params]
+            if any(g is None for g in grads):
+                self._run(part, [i for i, g in enumerate(grads) if g is not None], found_inf)
+                continue
+            grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+            self._call(part.group, params, grads, part, found_inf(part.device), part.copies, False)
+
+    def _run(self, part: _Part, keep: List[int], found_inf) -> None:
+        """The subset ``keep`` of a part (params without grad do not move, as in torch)."""
+        if not keep:
+            return
+        pick = lambda xs: [xs[i] for i in keep] if xs is not None else None  # noqa: E731
+        sub = _Part.__new__(_Part)
+        sub.steps, sub.exp_avgs, sub.exp_avg_sqs = pick(part.steps), pick(part.exp_avgs), pick(part.exp_avg_sqs)
+        sub.max_exp_avg_sqs, sub.momentum_buffers = pick(part.max_exp_avg_sqs), pick(part.momentum_buffers)
+        params = pick(part.params)
+        grads = [p.grad.contiguous() for p in params]
+        self._call(part.group, params, grads, sub, found_inf(part.device), pick(part.copies), False)
+
+    def _first_step(self, found_inf) -> None:
+        for group in self.optimizer.param_groups:
+            buckets: Dict[tuple, List[Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    first = bool(self.optimizer.state[p].pop("_first", False))
+                    buckets.setdefault((p.device, p.dtype, p in self.copy_of, first), []).append(p)
+            for (device, _, copied, first), params in buckets.items():
+                part = _Part(self.optimizer, group, params, None)
+                grads = [p.grad.contiguous() for p in params]
+                copies = [self.copy_of[p] for p in params] if copied else None
+                self._call(group, params, grads, part, found_inf(device), copies, first)
+
+    def _call(self, group, params, grads, part, found_inf, copies, first_run) -> None:
+        if self.adam:
+            beta1, beta2 = group["betas"]
+            ops.multi_tensor_adam(
+                params, grads, part.exp_avgs, part.exp_avg_sqs, part.steps, lr=group["lr"], beta1=beta1,
+                beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                adam_w_mode=self.adam_w or bool(group.get("decoupled_weight_decay", False)),
+                max_exp_avg_sqs=part.max_exp_avg_sqs if group["amsgrad"] else None,
+                found_inf=found_inf, model_copies=copies, checked=not first_run and self._signature is not None,
+            )
+        else:
+            momentum = group["momentum"]
+            ops.multi_tensor_sgd(
+                params, grads, part.momentum_buffers if momentum != 0 else None, lr=group["lr"], momentum=momentum,
+                dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                first_run=first_run, found_inf=found_inf, model_copies=copies,
+                checked=not first_run and self._signature is not None,
+            )
