@@ -48,8 +48,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_amp.amp.casts import cast_context
 from lightning_amp.amp.flat import FlatGradBuffer
+from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.levels import AmpProperties, resolve_properties
 from lightning_amp.amp.master import (
     MasterParams,
@@ -357,14 +357,9 @@ class AmpPrecision(Precision):
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """O1: ``torch.autocast`` plus the registered cast lists; a no-op at other levels."""
-        props = self._properties
-        if not props.autocast:
+        """The level's forward: see :func:`lightning_amp.amp.forward.forward_context`."""
+        with amp_forward.forward_context(self._properties, self._device_type):
             yield
-            return
-        with torch.autocast(self._device_type, dtype=props.dtype, cache_enabled=False):
-            with cast_context(props.dtype, self._device_type):
-                yield
 
     # ---- optimizers ------------------------------------------------------------------
 
