@@ -1,12 +1,10 @@
 """The forward context of each level (amp/forward.py): default dtype and autocast, and fp32 tensors made in forward."""
-import logging
-import warnings
-
 import lightning as L
 import pytest
 import torch
 from torch import nn
 
+from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO2Plugin, main_params
 from lightning_amp.amp.casts import active_cast
 from lightning_amp.amp.forward import default_dtype, forward_context
@@ -17,9 +15,7 @@ F16, BF16 = torch.float16, torch.bfloat16
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_lightning():
         yield
 
 
@@ -82,16 +78,11 @@ class MadeInForward(L.LightningModule):
 def _fit(model, **trainer_kwargs):
     gen = torch.Generator().manual_seed(1)
     batch = (torch.randn(8, 5, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen))
-    losses = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    trainer = L.Trainer(accelerator="cpu", max_steps=5, callbacks=[Record()], logger=False, enable_progress_bar=False,
+    recorder = LossRecorder()
+    trainer = L.Trainer(accelerator="cpu", max_steps=5, callbacks=[recorder], logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, **trainer_kwargs)
     trainer.fit(model, torch.utils.data.DataLoader([batch] * 5, batch_size=None))
-    return trainer, losses
+    return trainer, recorder.losses
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])

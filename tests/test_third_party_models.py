@@ -13,8 +13,6 @@ one fixed batch and checks:
 """
 from __future__ import annotations
 
-import logging
-import warnings
 from typing import Callable, Dict, List
 
 import lightning as L
@@ -24,6 +22,7 @@ from lightning.pytorch.demos.transformer import LightningTransformer, Transforme
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, main_params
 
 transformers = pytest.importorskip("transformers", reason="the third-party model matrix needs `transformers`")
@@ -52,9 +51,7 @@ def _first_loss_tolerance(dtype: torch.dtype) -> float:
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_lightning():
         yield
 
 
@@ -113,7 +110,7 @@ def _bert():
 def _gpt2():
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=2, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
     tokens = _tokens(1)
     return HFModule(transformers.GPT2LMHeadModel(config)), {"input_ids": tokens, "labels": tokens}
@@ -137,7 +134,18 @@ def _t5():
     return HFModule(transformers.T5ForConditionalGeneration(config)), batch
 
 
-class BatchNormCNN(L.LightningModule):
+class _FloatClassifier(L.LightningModule):
+    """Cross-entropy on ``forward(x)`` for a batch ``(float inputs, labels)``; subclasses build ``forward``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).float(), y)
+
+    def configure_optimizers(self):
+        return _adamw(self.parameters(), lr=1e-2)
+
+
+class BatchNormCNN(_FloatClassifier):
     """conv -> BatchNorm -> ReLU twice, pooled into a linear classifier (float images in the batch)."""
 
     def __init__(self) -> None:
@@ -151,20 +159,12 @@ class BatchNormCNN(L.LightningModule):
     def forward(self, x):
         return self.net(x)
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self(x).float(), y)
-
-    def configure_optimizers(self):
-        return _adamw(self.parameters(), lr=1e-2)
-
     @staticmethod
     def batch():
-        gen = torch.Generator().manual_seed(1)
-        return torch.randn(BATCH, 3, 8, 8, generator=gen), torch.tensor([0, 1, 2, 3])
+        return torch.randn(BATCH, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 3])
 
 
-class RecurrentTagger(L.LightningModule):
+class RecurrentTagger(_FloatClassifier):
     """A 2-layer LSTM feeding a GRU and a linear head (float sequences in the batch)."""
 
     def __init__(self) -> None:
@@ -178,17 +178,9 @@ class RecurrentTagger(L.LightningModule):
         hidden, _ = self.gru(hidden)
         return self.head(hidden[:, -1])
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self(x).float(), y)
-
-    def configure_optimizers(self):
-        return _adamw(self.parameters(), lr=1e-2)
-
     @staticmethod
     def batch():
-        gen = torch.Generator().manual_seed(1)
-        return torch.randn(BATCH, SEQ, 8, generator=gen), torch.tensor([0, 1, 2, 1])
+        return torch.randn(BATCH, SEQ, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 1])
 
 
 def _own_batch(cls) -> Callable:
@@ -218,16 +210,8 @@ def _build(name: str):
 # ---------------------------------------------------------------------------------------- running
 
 
-class _LossRecorder(L.Callback):
-    def __init__(self) -> None:
-        self.losses: List[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 def _train(model: L.LightningModule, batch, plugin) -> List[float]:
-    recorder = _LossRecorder()
+    recorder = LossRecorder()
     trainer = L.Trainer(
         accelerator="cpu", max_steps=STEPS, plugins=[plugin], callbacks=[recorder], logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
