@@ -274,3 +274,20 @@ def test_third_party_model_trains_at_every_level(name, level, dtype_name, fp32_f
     reference = fp32_first_loss(name)
     assert abs(losses[0] - reference) <= _first_loss_tolerance(dtype) * abs(reference), (losses[0], reference)
     _check_level(level, dtype, model, model.trainer.optimizers[0])
+
+
+@pytest.mark.parametrize("name", ["demo_transformer", "llama"])
+def test_o2_checkpoint_loads_into_the_plain_fp32_model(name, tmp_path):
+    model, batch = _build(name)
+    _train(model, batch, AmpO2Plugin(dtype=torch.bfloat16))
+    path = tmp_path / "o2.ckpt"
+    model.trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+
+    plain, _ = _build(name)
+    plain.load_state_dict(state, strict=True)  # nothing built in forward leaked into the state
+    masters = list(main_params(model.trainer.optimizers[0]))
+    assert all(p.dtype == torch.float32 for p in plain.parameters())
+    assert all(torch.equal(p, m) for p, m in zip(plain.parameters(), masters))
+    with torch.no_grad():
+        assert torch.isfinite(plain.training_step(batch, 0))
