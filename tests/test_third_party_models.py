@@ -5,7 +5,8 @@ tiny randomly initialised ``transformers`` BERT / GPT-2 / Llama / T5 built from 
 classes (no downloads), a BatchNorm CNN and an LSTM/GRU stack. Each cell trains a few steps on
 one fixed batch and checks:
 
-* every loss is finite, the last is below the first, and the params moved;
+* every loss is finite, the last is below the first, and every stepped param moved (O3: >= 90%,
+  pure half rounds some updates away);
 * the first loss is within rounding of the fp32 reference (same weights, same batch): relative
   difference <= ``FIRST_LOSS_ULPS`` x eps of the half dtype (see ``_first_loss_tolerance``);
 * the level's semantics: O1 fp32 params stepped directly; O2 half params (BatchNorm fp32) with
@@ -268,8 +269,10 @@ def test_third_party_model_trains_at_every_level(name, level, dtype_name, fp32_f
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))), losses
     assert losses[-1] < losses[0], losses
     assert plugin.skipped_steps < STEPS - 1
-    moved = [not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters())]
-    assert sum(moved) >= len(moved) // 2, f"only {sum(moved)} of {len(moved)} params changed"
+    stepped = list(main_params(model.trainer.optimizers[0]))  # fp32 masters under O2, in the module's order
+    moved = [not torch.equal(b, p.detach().float()) for b, p in zip(before, stepped)]
+    # pure half (O3) loses updates below half an ulp, e.g. on LayerNorm weights near 1.0 (seen: <= 3 of 67)
+    assert len(stepped) == len(before) and sum(moved) >= (0.9 * len(moved) if level == "O3" else len(moved)), moved
     assert all(torch.isfinite(p).all() for p in model.parameters())
     reference = fp32_first_loss(name)
     assert abs(losses[0] - reference) <= _first_loss_tolerance(dtype) * abs(reference), (losses[0], reference)
