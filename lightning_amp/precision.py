@@ -39,7 +39,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_amp.amp.casts import cast_context
+from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.levels import AmpProperties, resolve_properties
@@ -211,14 +211,9 @@ class AmpPrecision(Precision):
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """O1: ``torch.autocast`` plus the registered cast lists; a no-op at other levels."""
-        props = self._properties
-        if not props.autocast:
+        """The level's forward: see :func:`lightning_amp.amp.forward.forward_context`."""
+        with amp_forward.forward_context(self._properties, self._device_type):
             yield
-            return
-        with torch.autocast(self._device_type, dtype=props.dtype, cache_enabled=False):
-            with cast_context(props.dtype, self._device_type):
-                yield
 
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
         """Swap half params for fp32 masters (O2), give each optimizer a scaler, make step schedulers skip-aware."""

@@ -294,3 +294,44 @@ def test_threads_enter_and_exit_concurrently():
     assert not any(t.is_alive() for t in threads)
     assert errors == []
     assert mod.scale is original and patch_depth() == 0
+
+
+def _recurrent(kind):
+    torch.manual_seed(0)
+    if kind == "lstm":
+        return nn.LSTM(6, 8, num_layers=2, batch_first=True)
+    if kind == "gru":
+        return nn.GRU(6, 8, batch_first=True)
+    return nn.RNN(6, 8, nonlinearity=kind, batch_first=True)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "tanh", "relu"])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.float16])
+def test_rnn_runs_in_fp32_under_cpu_fp16_autocast(kind, input_dtype):
+    # oneDNN has no fp16 RNN: plain autocast fp16 sends nn.LSTM there and fails on the CPU
+    rnn, x = _recurrent(kind), rand(3, 5, 6, dtype=input_dtype)
+    reference, _ = rnn(x.float())
+    with torch.autocast("cpu", dtype=torch.float16), cast_context(torch.float16, "cpu"):
+        out, _ = rnn(x)
+    assert out.dtype == torch.float32 and torch.equal(out, reference)  # exactly the fp32 computation
+    out.sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in rnn.parameters())
+    assert "lstm" not in vars(torch._VF) and "gru" not in vars(torch._VF)  # unpatched again
+
+
+def test_packed_lstm_runs_in_fp32_under_cpu_fp16_autocast():
+    rnn, x = _recurrent("lstm"), rand(3, 5, 6)
+    packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([5, 4, 2]), batch_first=True)
+    reference, _ = rnn(packed)
+    with torch.autocast("cpu", dtype=torch.float16), cast_context(torch.float16, "cpu"):
+        out, (h, c) = rnn(packed)
+    assert out.data.dtype == h.dtype == torch.float32 and torch.equal(out.data, reference.data)
+
+
+def test_rnn_under_bf16_is_left_to_autocast_and_registrations_win():
+    rnn, x = _recurrent("lstm"), rand(3, 5, 6)
+    with torch.autocast("cpu", dtype=BF16), cast_context(BF16, "cpu"):
+        assert rnn(x)[0].dtype == BF16  # oneDNN has a bf16 LSTM: autocast's choice stands
+    register_half_function(torch._VF, "lstm")  # replaces the fp32 default, like any registration
+    with torch.autocast("cpu", dtype=torch.float16), cast_context(torch.float16, "cpu"):
+        assert rnn(x)[0].dtype == torch.float16

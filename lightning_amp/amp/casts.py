@@ -26,6 +26,12 @@ so ``nn.BCELoss``, which looks it up at call time) raises ``UnsafeHalfOpError``,
 did; bf16 contexts and code outside any context are unaffected. Registering the function
 explicitly (e.g. ``register_float_function(torch.nn.functional, "binary_cross_entropy")``)
 replaces the refusal with that policy, like apex's ``allow_banned``.
+
+RNNs without a half kernel: inside a float16 context on the CPU, the fused RNN functions that
+``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` call (``torch._VF.lstm``, ``gru``, ``rnn_tanh``,
+``rnn_relu``) run in float32 (autocast off): oneDNN has no fp16 RNN, and autocast would send
+them there. Elsewhere (bf16 on the CPU, CUDA) autocast handles them as usual. An explicit
+registration of one of these functions replaces this default.
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ import torch.nn.functional as F
 
 HALF, FLOAT, PROMOTE = "half", "float", "promote"
 _REFUSE_FP16 = "refuse_fp16"
+_FLOAT_IF_CPU_FP16 = "float_if_cpu_fp16"
+_RNN_FUNCTIONS = ("lstm", "gru", "rnn_tanh", "rnn_relu")  # in torch._VF; the cells are plain matmuls
 
 _BCE_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy / torch.nn.BCELoss are unsafe in float16 mixed precision: "
@@ -123,6 +131,10 @@ def _run_with_policy(fn: Callable, policy: str, args: tuple, kwargs: dict) -> An
         if dtype == torch.float16:
             raise UnsafeHalfOpError(_BCE_MESSAGE)
         return fn(*args, **kwargs)
+    if policy == _FLOAT_IF_CPU_FP16:
+        if not (dtype == torch.float16 and device_type == "cpu"):
+            return fn(*args, **kwargs)
+        policy = FLOAT
     cast = _target_cast(policy, dtype, args, kwargs)
     args, kwargs = _cast_tree(args, cast), _cast_tree(kwargs, cast)
     with torch.autocast(device_type=device_type, enabled=False):
@@ -205,8 +217,9 @@ def promote_function(fn: Callable) -> Callable:
 
 def _patch_targets() -> List[Tuple[Any, str, str]]:
     targets = list(_registry.values())
-    if (id(F), "binary_cross_entropy") not in _registry:
-        targets.append((F, "binary_cross_entropy", _REFUSE_FP16))
+    defaults = [(F, "binary_cross_entropy", _REFUSE_FP16)]
+    defaults += [(torch._VF, name, _FLOAT_IF_CPU_FP16) for name in _RNN_FUNCTIONS]
+    targets += [(module, name, policy) for module, name, policy in defaults if (id(module), name) not in _registry]
     return targets
 
 

@@ -1,0 +1,68 @@
+"""The context every forward of an opt level runs in.
+
+* O0: nothing.
+* O1: ``torch.autocast(dtype)`` plus the registered cast lists (:func:`~lightning_amp.amp.casts.cast_context`).
+* O2 and O3 (the model is half): the half ``dtype`` is torch's *default dtype* during forward, as
+  Lightning's ``bf16-true`` / ``16-true`` do, so tensors the model creates there without a dtype
+  (``torch.zeros(...)`` tables, ``torch.ones(...)`` masks, lazily built buffers) are half and
+  meet half weights. What the default dtype cannot reach — tensors made fp32 on purpose
+  (``torch.arange(n).float()``, ``dtype=torch.float32``, fp32 buffers added after the cast) —
+  is handled per level:
+
+  - O2 also runs under ``torch.autocast(dtype)``, so it trains what Lightning's ``bf16-mixed``
+    trains: autocast casts fp32 operands of matmuls, convolutions and attention to half, and runs
+    its float32 ops (losses; on CUDA also softmax, layer_norm, ...) in fp32. Weights stay half,
+    masters fp32, BatchNorm fp32 (its hooks hand it fp32 input; batch_norm is in no autocast list).
+  - O3 stays pure half (no autocast), exactly Lightning's ``bf16-true``.
+
+  Autocast alone would not do: an fp32 table added to half activations promotes them to fp32,
+  and ops outside autocast's lists (CPU layer_norm) then meet half weights.
+
+The previous default dtype is restored on exit, also on error. torch's default dtype is
+process-wide (not per thread), as it is for Lightning's half-true precision.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from lightning_amp.amp.casts import cast_context
+from lightning_amp.amp.levels import AmpProperties
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make ``dtype`` (a floating torch.dtype) torch's default dtype inside the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def half_forward(dtype: torch.dtype, device_type: str, autocast: bool) -> Iterator[None]:
+    """Forward of a model cast to ``dtype``: ``dtype`` is the default dtype, plus autocast if asked."""
+    with default_dtype(dtype):
+        if not autocast:
+            yield
+            return
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=False):
+            yield
+
+
+@contextlib.contextmanager
+def forward_context(props: AmpProperties, device_type: str) -> Iterator[None]:
+    """The forward context of the level ``props`` on a device of type ``device_type`` ("cpu", "cuda", ...)."""
+    if props.autocast:
+        with torch.autocast(device_type, dtype=props.dtype, cache_enabled=False):
+            with cast_context(props.dtype, device_type):
+                yield
+    elif props.cast_model:
+        with half_forward(props.dtype, device_type, autocast=props.opt_level == "O2"):
+            yield
+    else:
+        yield
