@@ -163,6 +163,12 @@ class MainGradBuffer:
         self._reset_round()
 
     def remove_hooks(self) -> None:
+        """Wait for any all-reduce still in flight (a backward without its ``finish_sync``), then detach
+        the hooks and the fused-wgrad attributes from the params."""
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._reset_round()
         for h in self._handles:
             h.remove()
         self._handles = []
