@@ -13,7 +13,7 @@ BERT/RoBERTa attention (``transformers``)   ``self.query``, ``self.key``, ``self
 BERT/RoBERTa MLP                            ``intermediate.dense``                           ``output.dense``
 GPT-2 attention (``Conv1D``)                ``c_attn`` (fused QKV: q, k, v each split)       ``c_proj``
 GPT-2 MLP (``Conv1D``)                      ``c_fc``                                         ``c_proj``
-Llama/Mistral-style attention               ``q_proj``, ``k_proj``, ``v_proj``               ``o_proj``
+Llama/Mistral-style attention               ``q_proj``/``query``, ``k_proj``, ``v_proj``     ``o_proj``       
 named MLPs (Llama, Falcon, OPT, ...)        ``gate_proj``/``up_proj``/``fc1``/``w1``/...     ``down_proj``/``fc2``/``w2``/...
 ``nn.Sequential``                           ``Linear``, elementwise modules, ``Linear``: first -> column, last -> row
 =========================================  ===============================================  =====================
@@ -156,15 +156,18 @@ def _gpt2_mlp(path: str, m: nn.Module) -> list[Unit]:
 
 
 def _named_attention(path: str, m: nn.Module) -> list[Unit]:
-    """Llama/Mistral/Qwen/OPT-style: ``q_proj``, ``k_proj``, ``v_proj`` -> column, ``o_proj``/``out_proj`` -> row."""
-    q, k, v = (_linear(m, n) for n in ("q_proj", "k_proj", "v_proj"))
+    """Llama/Mistral/Qwen/OPT-style: ``q_proj``, ``k_proj``, ``v_proj`` (or ``query``, ``key``, ``value``) -> column,
+    ``o_proj``/``out_proj`` -> row, all children of one attention module."""
+    for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value")):
+        if all(_linear(m, n) is not None for n in names):
+            break
+    q, k, v = (_linear(m, n) for n in names)
     o_name = "o_proj" if _linear(m, "o_proj") is not None else "out_proj"
     o = _linear(m, o_name)
     if None in (q, k, v, o):
         return []
-    unit = Unit("q/k/v/o attention", [_join(path, n) for n in ("q_proj", "k_proj", "v_proj")], [_join(path, o_name)],
-                heads=path)
-    head_dim = _int_attr(m, "head_dim", "head_size")
+    unit = Unit("q/k/v/o attention", [_join(path, n) for n in names], [_join(path, o_name)], heads=path)
+    head_dim = _int_attr(m, "head_dim", "head_size", "attention_head_size")
     heads = _int_attr(m, "num_heads", "num_attention_heads", "n_heads", "n_head")
     if head_dim is None and heads:
         head_dim = q.out_features // heads
