@@ -26,6 +26,7 @@ from lightning_amp.parallel.strategy import TensorParallelStrategy  # noqa: E402
 from _net import free_port  # noqa: E402
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, FFN, BATCH, STEPS, MIDWAY = 64, 16, 32, 2, 4, 64, 4, 6, 3
+FAMILIES = ("bert", "roberta", "gpt2", "llama", "mistral", "demo")
 
 
 def hf_models():
@@ -51,7 +52,7 @@ def hf_models():
 class Zoo(pl.LightningModule):
     """Every family side by side; ``losses[family]`` records each one's loss per step."""
 
-    def __init__(self, out_dir: str = "", lr: float = 0.1):
+    def __init__(self, out_dir: str = "", lr: float = 0.1, names: tuple = FAMILIES):
         super().__init__()
         from lightning.pytorch.demos import Transformer
 
@@ -59,6 +60,8 @@ class Zoo(pl.LightningModule):
         self.out_dir, self.lr = out_dir, lr
         self.families = nn.ModuleDict(hf_models())
         self.families["demo"] = Transformer(vocab_size=VOCAB, ninp=HIDDEN, nhead=HEADS, nhid=FFN, nlayers=LAYERS, dropout=0.0)
+        for name in set(FAMILIES) - set(names):
+            del self.families[name]
         self.losses = {name: [] for name in self.families}
 
     def setup(self, stage):
@@ -103,13 +106,13 @@ def data():
     return DataLoader(TensorDataset(torch.randint(3, VOCAB, (MIDWAY * BATCH, SEQ), generator=g)), batch_size=BATCH)
 
 
-def fit(out_dir, strategy, devices, ckpt_path=None, **trainer_kwargs):
+def fit(out_dir, strategy, devices, ckpt_path=None, names=FAMILIES, **trainer_kwargs):
     os.environ["MASTER_PORT"] = str(free_port())
     out_dir.mkdir()
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, **trainer_kwargs)
-    model = Zoo(str(out_dir))
+    model = Zoo(str(out_dir), names=names)
     trainer.fit(model, data(), ckpt_path=ckpt_path)
     if dist.is_initialized():  # in-process single-device DDP-family runs leave a group behind
         dist.destroy_process_group()
@@ -161,8 +164,26 @@ def test_families_tp2_match_single_device_checkpoints_and_resume(tmp_path):
             assert state_diff(state, ref_state, f"families.{name}.") < 1e-5, f"{run} {name}"
 
 
-def test_families_tp2_bf16_o2_trains():
-    pytest.skip("placeholder")
+def _o2_trains(tmp_path, names):
+    from lightning_amp.precision import AmpO2Plugin
+
+    losses, _ = fit(tmp_path / "o2", TensorParallelStrategy(start_method="spawn"), 2, names=names,
+                    plugins=[AmpO2Plugin(dtype="bfloat16")])
+    assert set(losses) == set(names)
+    for name, values in losses.items():
+        assert len(values) == STEPS and all(torch.isfinite(torch.tensor(values))), f"{name}: {values}"
+        assert values[-1] < values[0], f"{name} did not train under O2 bf16: {values}"
+
+
+def test_transformers_families_tp2_bf16_o2_train(tmp_path):
+    """TP=2 with AmpO2Plugin(bfloat16): every ``transformers`` family trains (finite losses that fall)."""
+    _o2_trains(tmp_path, FAMILIES[:-1])
+
+
+@pytest.mark.xfail(strict=True, reason="needs olevels O2 forward fix (fp32 tensors created inside forward meet "
+                                       "bf16 layers: 'mixed dtype (CPU): expect parameter to have scalar type of Float')")
+def test_demo_transformer_tp2_bf16_o2_trains(tmp_path):
+    _o2_trains(tmp_path, ("demo",))
 
 
 # ------------------------------------------------------------------ the plan, validated before anything changes
