@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -193,3 +194,10 @@ def test_bert_example_runs_tensor_parallel_on_two_processes():
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd="/", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step     3" in result.stdout
+    # the strategy's conversion table (rank 0, stderr): every projection of both blocks was sharded in two
+    table = set(re.findall(r"net\.encoder\.layers\.(\d)\.(?:attention|mlp)\.(\w+)\s+Linear\s+(\w+)\s+(\w+ \d+ -> \d+)/rank",
+                           result.stderr))
+    expected = {(str(i), name, kind, sizes) for i in range(2) for name, kind, sizes in (
+        ("q_proj", "column", "out 64 -> 32"), ("k_proj", "column", "out 64 -> 32"), ("v_proj", "column", "out 64 -> 32"),
+        ("o_proj", "row", "in 64 -> 32"), ("up_proj", "column", "out 256 -> 128"), ("down_proj", "row", "in 256 -> 128"))}
+    assert table == expected, result.stderr[-3000:]

@@ -1,6 +1,5 @@
 """Column/RowParallelLinear and the comm pairs on 2 real gloo ranks vs a full nn.Linear (fp64 reference)."""
 
-import warnings
 
 import pytest
 import torch
@@ -60,6 +59,9 @@ def _check_layers(rank, dtype, fusion, sequence_parallel):
         lin2, None, input_is_parallel=True, sequence_parallel=sequence_parallel, sequence_dim=sp_dim,
         gradient_accumulation_fusion=fusion,
     ).to(dtype)
+    if fusion:  # the fused wgrad path accumulates into an attached fp32 main_grad (the strategy attaches its buffer)
+        for p in (col.weight, row.weight):
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
     if sequence_parallel:
         x_in = comm.scatter_to_sequence_parallel_region(x.to(dtype), None, sp_dim)
         x_in = x_in.detach().requires_grad_(True)
@@ -141,23 +143,18 @@ def _check_gather_scatter_and_sync(rank):
 
 
 def _check_plan_errors(rank):
-    """Unsplittable layers at TP=2: ValueError naming the numbers (explicit) or a warning (auto)."""
+    """Unsplittable layers at TP=2: ValueError naming the paths and numbers, and the model left untouched."""
     with pytest.raises(ValueError, match="num_heads=3 is not divisible by tensor_parallel_size=2"):
         ParallelMultiheadAttention(nn.MultiheadAttention(12, 3, batch_first=True))
-    with pytest.raises(ValueError, match="out_features=5 is not divisible by tensor_parallel_size=2"):
+    with pytest.raises(ValueError, match=r"0\.out_features=5 not divisible by tensor_parallel_size=2"):
         apply_plan(nn.Sequential(nn.Linear(4, 5)), plan={"0": "column"})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        rows = apply_plan(nn.Sequential(nn.Conv1d(2, 2, 1), nn.LayerNorm(3)))
-    assert rows == []
-    assert any("no layer of Sequential could be split across 2 ranks" in str(w.message) for w in caught)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        layer = nn.TransformerEncoderLayer(6, 3, 8, dropout=0.0, batch_first=True)
-        rows = apply_plan(layer)
-    assert {r.name: r.kind for r in rows}["self_attn"] == "replicated"
-    assert any("num_heads=3" in str(w.message) for w in caught)
-    assert isinstance(layer.linear1, ColumnParallelLinear)  # the MLP pair still splits
+    with pytest.raises(ValueError, match="no layer of Sequential can be split across 2 ranks.*allow_replicated"):
+        apply_plan(nn.Sequential(nn.Conv1d(2, 2, 1), nn.LayerNorm(3)))
+    assert apply_plan(nn.Sequential(nn.Conv1d(2, 2, 1)), allow_replicated=True) == []
+    layer = nn.TransformerEncoderLayer(6, 3, 8, dropout=0.0, batch_first=True)
+    with pytest.raises(ValueError, match=r"self_attn\.num_heads=3 not divisible by tensor_parallel_size=2"):
+        apply_plan(layer)
+    assert type(layer.linear1) is nn.Linear and type(layer.self_attn) is nn.MultiheadAttention  # never half-converted
 
 
 class _BertSelfAttention(nn.Module):
@@ -194,7 +191,7 @@ def _check_named_attention_plan(rank):
     y_ref.square().sum().backward()
     y_tp.square().sum().backward()
     torch.testing.assert_close(x_tp.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(tp.query.weight.main_grad, ref.query.weight.grad.chunk(2, 0)[rank], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tp.query.weight.grad, ref.query.weight.grad.chunk(2, 0)[rank], rtol=1e-5, atol=1e-6)
 
 
 def _all_cases(rank):
@@ -215,6 +212,30 @@ def test_column_row_match_linear_and_comm_pairs():
     adjointness, size errors and the plan's messages for unsplittable layers (one spawn: process start-up
     dominates the cost)."""
     run_on_two_ranks(_all_cases)
+
+
+def test_standalone_layers_train_with_a_plain_optimizer():
+    """Default gradient_accumulation_fusion=True without a main_grad attached: weight.grad is filled, so a plain
+    torch optimizer updates the weights exactly as it updates nn.Linear; with one attached, the fused path fills it."""
+    torch.manual_seed(3)
+    ref = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    par = nn.Sequential(ColumnParallelLinear.from_linear(ref[0], None, gather_output=False), nn.Tanh(),
+                        RowParallelLinear.from_linear(ref[2], None, input_is_parallel=True))
+    assert par[0].gradient_accumulation_fusion and par[2].gradient_accumulation_fusion
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, par)]
+    initial = [p.detach().clone() for p in par.parameters()]
+    x = torch.randn(6, 5)
+    for model, opt in zip((ref, par), opts):
+        model(x).square().sum().backward()
+        opt.step()
+    assert par[0].weight.grad is not None and not hasattr(par[0].weight, "main_grad")
+    for p_ref, p_par in zip(ref.parameters(), par.parameters()):
+        torch.testing.assert_close(p_par, p_ref, rtol=1e-6, atol=1e-6)
+    assert all(not torch.equal(p, p0) for p, p0 in zip(par.parameters(), initial))  # every param moved
+    par[0].weight.main_grad = torch.zeros(8, 5)
+    par[0].weight.grad = None
+    par(x).square().sum().backward()
+    assert par[0].weight.grad is None and par[0].weight.main_grad.abs().sum() > 0
 
 
 def test_single_process_layers_are_plain_linear():

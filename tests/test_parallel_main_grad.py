@@ -87,14 +87,14 @@ def _all_checks(rank, port):
         _worker(rank, torch.float32, True, 64)  # small buckets, all-reduce overlapped with backward
         _worker(rank, torch.bfloat16, False, 100)  # half params, reduction after backward
         _sequence_parallel_block(rank)
+        _grads_after_their_bucket_was_launched(rank)
+        _sequence_parallel_params_overlap(rank)
         torch.manual_seed(0)
         a, b = nn.Linear(4, 6), nn.Linear(6, 4)
         col, row = ColumnParallelLinear.from_linear(a, None, gather_output=False), RowParallelLinear.from_linear(b, None, input_is_parallel=True)
         x = torch.randn(5, 4)
         b(torch.relu(a(x))).sum().backward()
-        row(torch.relu(col(x))).sum().backward()
-        for p in (col.weight, row.weight):
-            p.grad = p.main_grad
+        row(torch.relu(col(x))).sum().backward()  # no main_grad attached: plain weight.grad
         full = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in (a.weight, a.bias, b.weight, b.bias)]))
         got = tp_grad_norm([col.weight, col.bias, row.weight, row.bias])
         torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6)
@@ -129,6 +129,48 @@ def _sequence_parallel_block(rank):
            "col.weight": col.weight, "col.bias": col.bias, "row.weight": row.weight}
     for name, p in got.items():
         torch.testing.assert_close(p.main_grad.double(), full[name], rtol=1e-5, atol=1e-5, msg=name)
+    buffer.remove_hooks()
+
+
+def _grads_after_their_bucket_was_launched(rank):
+    """Two backward() calls before one reduction (e.g. two losses): the first launches every bucket's
+    all-reduce during backward, so every grad of the second must go to the side buffer, never into a
+    buffer slice that is being reduced. Result: the DP mean of both losses' grads, exactly."""
+    solo = [dist.new_group([r]) for r in range(2)][rank]  # TP size 1, DP over the world
+    net = Net(torch.float32, solo)
+    buffer = MainGradBuffer(net.parameters(), dp_group=None, tp_group=None, bucket_numel=1, overlap=True)
+    g = torch.Generator().manual_seed(7)
+    xs = [[torch.randn(4, 6, generator=g) for _ in range(2)] for _ in range(2)]  # [loss][rank]
+    for x in xs:
+        net(x[rank]).square().mean().backward()
+        launched = sum(w is not None for w in buffer._works)
+        assert launched == len(buffer.buckets) - 2, "overlap: every used param's bucket launched during backward"
+    assert buffer._has_late  # the side buffer took the second backward's grads
+    buffer.finish_sync()
+    buffer.expose_grads()
+    expected = _reference_grads([x[r] for x in xs for r in range(2)], net)
+    for (name, p), e in zip(net.named_parameters(), expected):
+        # per rank the sum of 2 losses, averaged over 2 ranks: twice the mean of the 4 losses
+        torch.testing.assert_close(p.grad.double(), 2 * e, rtol=1e-5, atol=1e-6, msg=name)
+    buffer.remove_hooks()
+
+
+def _sequence_parallel_params_overlap(rank):
+    """Sequence-parallel params keep the overlapped DP all-reduce; their TP sum is taken after it. The 2 ranks
+    act as both the DP and the TP group of a replicated LayerNorm: grad = TP-sum of the DP-mean = sum over ranks."""
+    torch.manual_seed(0)
+    norm = mark_sequence_parallel(nn.LayerNorm(8))
+    buffer = MainGradBuffer(norm.parameters(), dp_group=None, tp_group=None, bucket_numel=1, overlap=True)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(5, 8, generator=g) for _ in range(2)]
+    norm(xs[rank]).pow(3).sum().backward()
+    assert all(w is not None for w in buffer._works), "sequence-parallel params must not turn the overlap off"
+    buffer.finish_sync()
+    ref = nn.LayerNorm(8).double()
+    for x in xs:
+        ref(x.double()).pow(3).sum().backward()
+    torch.testing.assert_close(norm.weight.main_grad.double(), ref.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm.bias.main_grad.double(), ref.bias.grad, rtol=1e-5, atol=1e-6)
     buffer.remove_hooks()
 
 

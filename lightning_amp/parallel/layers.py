@@ -7,10 +7,15 @@ Backward of the GEMM (:class:`LinearWithAsyncGradComm`): ``grad_input = grad_out
 first and its collective (all-reduce for a column layer, reduce-scatter under sequence parallelism)
 is launched with ``async_op=True``; the weight gradient is then accumulated *while it is in flight*,
 straight into the fp32 ``weight.main_grad`` by ``ops.wgrad_gemm_accum_fp32`` when
-``gradient_accumulation_fusion`` (autograd then sees no weight grad), else returned as an ordinary
-``weight.grad``; finally the collective is waited on.
+``gradient_accumulation_fusion`` is on *and* a ``main_grad`` is attached to the weight (the
+"tp_fused" strategy's :class:`~lightning_amp.parallel.main_grad.MainGradBuffer` does; by hand:
+``w.main_grad = torch.zeros_like(w, dtype=torch.float32)``) — autograd then sees no weight grad;
+otherwise (a standalone layer with a plain optimizer) it is returned as an ordinary ``weight.grad``.
+Finally the collective is waited on.
 
-Sharded weights carry ``tensor_model_parallel = True`` and ``partition_dim`` (0 column, 1 row);
+Sharded weights carry ``tensor_model_parallel = True``, ``partition_dim`` (0 column, 1 row) and a
+:class:`ShardLayout` (``shard_layout``) that maps between the shard and the *original* module's tensor
+(which may be transposed, as GPT-2's ``Conv1D``, or a fused ``[q; k; v]`` split per chunk);
 replicated params whose gradient is partial under sequence parallelism carry ``sequence_parallel = True``
 (their grads must be all-reduced over the TP group; see ``main_grad.py``).
 """
@@ -29,13 +34,37 @@ from lightning_amp.parallel.groups import group_rank, group_size
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # others (fp64) take the ordinary weight.grad path
 
 
-def ensure_main_grad(param: nn.Parameter) -> Tensor:
-    """``param.main_grad`` (fp32, param's shape), allocated zeroed on first use when absent."""
-    main_grad = getattr(param, "main_grad", None)
-    if main_grad is None:
-        main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-        param.main_grad = main_grad
-    return main_grad
+class ShardLayout:
+    """How one sharded param relates to the full tensor of the module it replaced.
+
+    ``dim``: the split dim in the parallel layer's own ``[out, in]`` layout (0 or 1; 0 for biases).
+    ``chunks``: the full tensor is ``chunks`` equal blocks along ``dim`` (a fused ``[q; k; v]`` has 3)
+    and every rank holds its slice *of each block*, concatenated. ``transposed``: the original module
+    stores the 2-D weight as ``[in, out]`` (``transformers``' ``Conv1D``). :meth:`shard` and
+    :meth:`gather` are exact inverses; ``gather`` is a collective over ``group``.
+    """
+
+    def __init__(self, dim: int, group: Any, chunks: int = 1, transposed: bool = False) -> None:
+        self.dim, self.group, self.chunks, self.transposed = dim, group, chunks, transposed
+        self.size, self.rank = group_size(group), group_rank(group)
+
+    def shard(self, full: Tensor) -> Tensor:
+        """This rank's shard (a new tensor, parallel-layer layout) of a full original-layout tensor."""
+        if self.transposed and full.dim() == 2:
+            full = full.t()
+        blocks = full.detach().chunk(self.chunks, self.dim)
+        return torch.cat([b.chunk(self.size, self.dim)[self.rank] for b in blocks], self.dim).clone()
+
+    def gather(self, shard: Tensor) -> Tensor:
+        """The full tensor in the original module's layout from every rank's shard (collective)."""
+        full = comm.gather_along(shard.detach(), self.dim, self.group)
+        if self.chunks > 1 and self.size > 1:  # rank-major [r0: b0 b1 b2, r1: ...] -> block-major
+            per_rank = full.chunk(self.size, self.dim)
+            pieces = [p.chunk(self.chunks, self.dim) for p in per_rank]
+            full = torch.cat([pieces[r][b] for b in range(self.chunks) for r in range(self.size)], self.dim)
+        if self.transposed and full.dim() == 2:
+            full = full.t().contiguous()
+        return full
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -84,9 +113,9 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
 
         grad_weight = None
         if weight.requires_grad:
-            if ctx.fusion and ctx.dtype in _FUSED_DTYPES:
+            if ctx.fusion and ctx.dtype in _FUSED_DTYPES and getattr(weight, "main_grad", None) is not None:
                 target = getattr(weight, "_main_grad_target", None)
-                main_grad = target(weight) if target is not None else ensure_main_grad(weight)
+                main_grad = target(weight) if target is not None else weight.main_grad
                 ops.wgrad_gemm_accum_fp32(total, grad_output, main_grad)
                 ready = getattr(weight, "_main_grad_ready", None)
                 if ready is not None:
@@ -132,49 +161,52 @@ class _ParallelLinearBase(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
 
-    def _set_shard(self, weight: Tensor, bias: Optional[Tensor], bias_is_sharded: bool) -> None:
-        self.weight = nn.Parameter(weight)
+    def _take_full(self, weight: Tensor, bias: Optional[Tensor], bias_is_sharded: bool,
+                   chunks: int = 1, transposed: bool = False) -> None:
+        """Keep this rank's shard of the full (original-layout) ``weight``/``bias`` as the params."""
+        layout = ShardLayout(self.partition_dim, self.group, chunks, transposed)
+        self.weight = nn.Parameter(layout.shard(weight))
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim = self.partition_dim
+        self.weight.shard_layout = layout
         if bias is None:
             self.register_parameter("bias", None)
+        elif bias_is_sharded:
+            bias_layout = ShardLayout(0, self.group, chunks)
+            self.bias = nn.Parameter(bias_layout.shard(bias))
+            self.bias.tensor_model_parallel = True
+            self.bias.partition_dim = 0
+            self.bias.shard_layout = bias_layout
         else:
-            self.bias = nn.Parameter(bias)
-            self.bias.tensor_model_parallel = bias_is_sharded
-            if bias_is_sharded:
-                self.bias.partition_dim = 0
-            elif self.sequence_parallel:
+            self.bias = nn.Parameter(bias.detach().clone())
+            self.bias.tensor_model_parallel = False
+            if self.sequence_parallel:
                 self.bias.sequence_parallel = True
 
     def full_weight(self) -> Tensor:
-        """The gathered full weight (collective over the TP group)."""
-        return comm.gather_along(self.weight.detach(), self.partition_dim, self.group)
+        """The gathered full weight in the original module's layout (collective over the TP group)."""
+        return self.weight.shard_layout.gather(self.weight)
 
     def full_state(self) -> dict:
-        """Gathered ``weight``/``bias`` under ``nn.Linear``'s keys (collective over the TP group)."""
+        """Gathered ``weight``/``bias`` under the original module's keys (collective over the TP group)."""
         state = {"weight": self.full_weight()}
         if self.bias is not None:
             state["bias"] = self.full_bias()
         return state
 
     def load_full_state(self, state: dict) -> None:
-        """Copy this rank's slice of a full ``nn.Linear`` state into the shard."""
-        weight = state["weight"]
-        size = self.weight.shape[self.partition_dim]
+        """Copy this rank's slice of a full original-layout state into the shard."""
         with torch.no_grad():
-            self.weight.copy_(weight.narrow(self.partition_dim, self.tp_rank * size, size))
+            self.weight.copy_(self.weight.shard_layout.shard(state["weight"]))
             if self.bias is not None:
-                bias = state["bias"]
-                if getattr(self.bias, "tensor_model_parallel", False):
-                    bias = bias.narrow(0, self.tp_rank * self.bias.shape[0], self.bias.shape[0])
-                self.bias.copy_(bias)
+                layout = getattr(self.bias, "shard_layout", None)
+                self.bias.copy_(layout.shard(state["bias"]) if layout is not None else state["bias"])
 
     def full_bias(self) -> Optional[Tensor]:
         if self.bias is None:
             return None
-        if getattr(self.bias, "tensor_model_parallel", False):
-            return comm.gather_along(self.bias.detach(), 0, self.group)
-        return self.bias.detach()
+        layout = getattr(self.bias, "shard_layout", None)
+        return layout.gather(self.bias) if layout is not None else self.bias.detach()
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
@@ -204,10 +236,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
         async_grad_allreduce: bool = True,
         device=None,
         dtype=None,
-        _shard: Optional[tuple] = None,
+        _full: Optional[tuple] = None,
+        _layout: tuple = (1, False),
     ) -> None:
         super().__init__(group, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, sequence_dim)
-        if out_features % self.tp_size != 0:
+        if out_features % (self.tp_size * _layout[0]) != 0:
             raise ValueError(
                 f"ColumnParallelLinear: out_features={out_features} is not divisible by the tensor-parallel size {self.tp_size}"
             )
@@ -216,14 +249,9 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = out_features // self.tp_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        if _shard is None:
-            w, b = _init_full_weight(out_features, in_features, bias, device, dtype)
-            _shard = self._slice(w, b)
-        self._set_shard(_shard[0], _shard[1], bias_is_sharded=True)
-
-    def _slice(self, weight: Tensor, bias: Optional[Tensor]):
-        lo, hi = self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank
-        return weight.detach()[lo:hi].clone(), (bias.detach()[lo:hi].clone() if bias is not None else None)
+        if _full is None:
+            _full = _init_full_weight(out_features, in_features, bias, device, dtype)
+        self._take_full(_full[0], _full[1], True, *_layout)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[Any] = None, **kwargs) -> "ColumnParallelLinear":
@@ -231,19 +259,19 @@ class ColumnParallelLinear(_ParallelLinearBase):
         return cls.from_weights(linear.weight, linear.bias, group, **kwargs)
 
     @classmethod
-    def from_weights(cls, weight: Tensor, bias: Optional[Tensor], group: Optional[Any] = None, **kwargs):
-        size = group_size(group)
-        out_features, in_features = weight.shape
-        if out_features % size != 0:
-            raise ValueError(
-                f"ColumnParallelLinear: out_features={out_features} is not divisible by the tensor-parallel size {size}"
-            )
-        rank, per = group_rank(group), out_features // size
-        shard = (
-            weight.detach()[rank * per:(rank + 1) * per].clone(),
-            bias.detach()[rank * per:(rank + 1) * per].clone() if bias is not None else None,
-        )
-        return cls(in_features, out_features, bias=bias is not None, group=group, _shard=shard, **kwargs)
+    def from_weights(cls, weight: Tensor, bias: Optional[Tensor], group: Optional[Any] = None,
+                     chunks: int = 1, transposed: bool = False, **kwargs) -> "ColumnParallelLinear":
+        """From a full weight ``[out, in]`` (``[in, out]`` when ``transposed``) and bias ``[out]``.
+
+        ``chunks``: the output dim is that many equal blocks (a fused ``[q; k; v]``: 3), each split
+        over the ranks separately, so every rank gets its slice of each block (its heads of q, k, v).
+        """
+        out_features, in_features = weight.shape[::-1] if transposed else weight.shape
+        if out_features % (group_size(group) * chunks) != 0:
+            raise ValueError(f"ColumnParallelLinear: out_features={out_features} is not divisible by "
+                             f"{chunks} block(s) x the tensor-parallel size {group_size(group)}")
+        return cls(in_features, out_features, bias=bias is not None, group=group, _full=(weight, bias),
+                   _layout=(chunks, transposed), **kwargs)
 
     def forward(self, x: Tensor):
         dgrad = "reduce_scatter" if self.sequence_parallel else ("all_reduce" if self.tp_size > 1 else "none")
@@ -287,7 +315,8 @@ class RowParallelLinear(_ParallelLinearBase):
         async_grad_allreduce: bool = True,
         device=None,
         dtype=None,
-        _shard: Optional[tuple] = None,
+        _full: Optional[tuple] = None,
+        _transposed: bool = False,
     ) -> None:
         super().__init__(group, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, sequence_dim)
         if in_features % self.tp_size != 0:
@@ -299,11 +328,9 @@ class RowParallelLinear(_ParallelLinearBase):
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = in_features // self.tp_size
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
-        if _shard is None:
-            w, b = _init_full_weight(out_features, in_features, bias, device, dtype)
-            lo, hi = self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank
-            _shard = (w[:, lo:hi].clone(), b.clone() if b is not None else None)
-        self._set_shard(_shard[0], _shard[1], bias_is_sharded=False)
+        if _full is None:
+            _full = _init_full_weight(out_features, in_features, bias, device, dtype)
+        self._take_full(_full[0], _full[1], False, transposed=_transposed)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[Any] = None, **kwargs) -> "RowParallelLinear":
@@ -311,19 +338,15 @@ class RowParallelLinear(_ParallelLinearBase):
         return cls.from_weights(linear.weight, linear.bias, group, **kwargs)
 
     @classmethod
-    def from_weights(cls, weight: Tensor, bias: Optional[Tensor], group: Optional[Any] = None, **kwargs):
-        size = group_size(group)
-        out_features, in_features = weight.shape
-        if in_features % size != 0:
-            raise ValueError(
-                f"RowParallelLinear: in_features={in_features} is not divisible by the tensor-parallel size {size}"
-            )
-        rank, per = group_rank(group), in_features // size
-        shard = (
-            weight.detach()[:, rank * per:(rank + 1) * per].clone(),
-            bias.detach().clone() if bias is not None else None,
-        )
-        return cls(in_features, out_features, bias=bias is not None, group=group, _shard=shard, **kwargs)
+    def from_weights(cls, weight: Tensor, bias: Optional[Tensor], group: Optional[Any] = None,
+                     transposed: bool = False, **kwargs) -> "RowParallelLinear":
+        """From a full weight ``[out, in]`` (``[in, out]`` when ``transposed``) and bias ``[out]``."""
+        out_features, in_features = weight.shape[::-1] if transposed else weight.shape
+        if in_features % group_size(group) != 0:
+            raise ValueError(f"RowParallelLinear: in_features={in_features} is not divisible by the "
+                             f"tensor-parallel size {group_size(group)}")
+        return cls(in_features, out_features, bias=bias is not None, group=group, _full=(weight, bias),
+                   _transposed=transposed, **kwargs)
 
     def forward(self, x: Tensor):
         if not self.input_is_parallel:

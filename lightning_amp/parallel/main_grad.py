@@ -6,12 +6,14 @@ Contract:
   flat buffer (apex ``combine_grad``). Parallel Linear weights accumulate into it directly
   (fused wgrad GEMM); every other param's ``p.grad`` is added to it by a post-accumulate-grad
   hook, which then frees ``p.grad``. Accumulation over micro-batches is therefore in fp32.
-* :meth:`MainGradBuffer.finish_sync` (after the last micro-batch's backward) all-reduces params
-  marked ``sequence_parallel`` over the TP group, then averages the buffer over the DP group
-  in buckets (apex ``combine_ddp``). With ``overlap=True`` a bucket's all-reduce is launched
-  asynchronously during backward as soon as all its params have reported; gradients that
-  arrive for an already-launched bucket (a param used twice) go to a side buffer that is
-  reduced at the end, so the result is exact either way.
+* :meth:`MainGradBuffer.finish_sync` (after the last micro-batch's backward) averages the buffer
+  over the DP group in buckets (apex ``combine_ddp``), then sums the grads of params marked
+  ``sequence_parallel`` over the TP group (the two commute). With ``overlap=True`` a bucket's
+  all-reduce is launched asynchronously during backward as soon as all its params have reported
+  (sequence-parallel params included); gradients that arrive for an already-launched bucket (a
+  param whose grad hook fires again in the same round: a second ``backward()`` before the step,
+  reentrant activation checkpointing) go to a side buffer that is reduced at the end, so the result
+  is exact either way.
 * :meth:`expose_grads` sets ``p.grad`` to ``p.main_grad`` (fp32 params: the view itself; 16-bit
   params: a cast copy) so any torch optimizer and gradient clipping work; :meth:`zero` clears
   the buffer and every ``p.grad`` (after the optimizer step).
@@ -120,20 +122,18 @@ class MainGradBuffer:
         self._reported.add(id(p))
         bucket = self._bucket_of[id(p)]
         self._pending[bucket] -= 1
-        if self._pending[bucket] == 0 and not self._sp_params:
+        if self._pending[bucket] == 0:
             start, end, _ = self.buckets[bucket]
             self._works[bucket] = dist.all_reduce(self.buffer[start:end], group=self.dp_group, async_op=True)
 
     # ---------------------------------------------------------------- reduction
     def finish_sync(self) -> None:
-        """Complete the TP (sequence-parallel params) and DP reductions of this round (collective)."""
-        if self.tp_size > 1 and self._sp_params:
-            flat = torch.cat([p.main_grad.reshape(-1) for p in self._sp_params])
-            dist.all_reduce(flat, group=self.tp_group)
-            offset = 0
-            for p in self._sp_params:
-                p.main_grad.copy_(flat[offset:offset + p.numel()].view(p.shape))
-                offset += p.numel()
+        """Complete the DP and TP (sequence-parallel params) reductions of this round (collective).
+
+        Both are sums (the DP one then divided by its size) over disjoint rank sets, so they commute:
+        the DP all-reduce of every bucket (launched during backward when ``overlap``) is waited on first,
+        then the sequence-parallel params' grads are summed over TP.
+        """
         if self.dp_size > 1:
             for i, (start, end, _) in enumerate(self.buckets):
                 if self._works[i] is None:
@@ -149,6 +149,13 @@ class MainGradBuffer:
                     self.buffer.add_(late)
                     late.zero_()
             self.buffer.div_(self.dp_size)
+        if self.tp_size > 1 and self._sp_params:
+            flat = torch.cat([p.main_grad.reshape(-1) for p in self._sp_params])
+            dist.all_reduce(flat, group=self.tp_group)
+            offset = 0
+            for p in self._sp_params:
+                p.main_grad.copy_(flat[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
         self._reset_round()
 
     def expose_grads(self) -> None:
@@ -163,6 +170,12 @@ class MainGradBuffer:
         self._reset_round()
 
     def remove_hooks(self) -> None:
+        """Wait for any all-reduce still in flight (a backward without its ``finish_sync``), then detach
+        the hooks and the fused-wgrad attributes from the params."""
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._reset_round()
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -1,46 +1,36 @@
-"""Which layers become tensor-parallel, and the in-place conversion of a user's module.
+"""Which layers become tensor-parallel (the plan), its validation, and the in-place conversion.
 
-``plan="auto"`` finds, in every module:
-
-* ``nn.MultiheadAttention`` (also inside ``nn.Transformer*`` and Lightning's demo Transformer)
-  -> :class:`ParallelMultiheadAttention` (heads split);
-* projections named like BERT/GPT/Llama code: ``q_proj,k_proj,v_proj,query,key,value,up_proj,
-  gate_proj,fc1,dense_h_to_4h,c_fc`` -> column (output stays split), ``o_proj,out_proj,down_proj,
-  fc2,dense_4h_to_h,c_proj`` -> row (input is split), when the parent holds both kinds; the
-  parent's head-count attributes (``num_heads, n_heads, num_attention_heads, n_head,
-  num_key_value_heads, all_head_size``) are divided by the TP size;
-* MLP pairs: two ``nn.Linear`` children separated only by elementwise modules (activations,
-  dropout), the first's ``out_features`` equal to the second's ``in_features`` -> column, row.
-
-An explicit plan ``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead*
-of the automatic one (fnmatch globs on names from ``named_modules()``). A column layer's output
+``plan="auto"`` uses the per-family layouts of :mod:`~lightning_amp.parallel.families`
+(``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa, GPT-2, Llama/Mistral-style
+q/k/v/o and gate/up/down, MLPs in ``nn.Sequential``). An explicit plan
+``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead* (fnmatch globs on
+names from ``named_modules()``); a set of explicit layers that forms a family unit gets that unit's
+layout (fused QKV, ``Conv1D``, head attributes), other layers pair by parent: a column layer's output
 stays split when its parent also holds a row layer of the plan, else it is gathered.
 
-Layers that cannot be split evenly stay replicated with a warning (auto) or raise ValueError
-(explicit plan). Conversion copies this rank's slice of the module's *current* weights.
+:func:`build_plan` validates the whole plan *before anything changes*, raising ValueError naming
+the module paths when a column layer would feed anything but its row partner (a unit only partly in
+an explicit plan, a row layer without a column partner), when heads or features do not divide by
+the TP size, or when nothing would be split (unless ``allow_replicated``). So a model is either
+converted as planned or left untouched: never half-converted. Conversion copies this rank's slice of
+the module's *current* weights.
 """
 from __future__ import annotations
 
 import fnmatch
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from torch import nn
 
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
+from lightning_amp.parallel.families import HEAD_ATTRS, Unit, find_units, is_conv1d, multihead_attention_unit
 from lightning_amp.parallel.groups import group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs, validate_sequence_dim
 
-COLUMN_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "up_proj", "gate_proj", "fc1", "dense_h_to_4h", "c_fc", "w1", "w3"}
-ROW_NAMES = {"o_proj", "out_proj", "down_proj", "fc2", "dense_4h_to_h", "c_proj", "w2"}
-HEAD_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head", "num_key_value_heads", "all_head_size")
-ELEMENTWISE = (
-    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
-    nn.Hardswish, nn.Identity, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardtanh,
-)
 KINDS = ("column", "row", "replicate")
+_PARALLEL = (ParallelMultiheadAttention, ColumnParallelLinear, RowParallelLinear)
 
 
 @dataclass
@@ -49,8 +39,17 @@ class Conversion:
 
     name: str
     original: str
-    kind: str  # "column" | "row" | "attention" | "replicated"
+    kind: str  # "column" | "row" | "attention" | "seq-split"
     detail: str
+
+
+@dataclass
+class Plan:
+    """A validated plan: the units to convert and, per layer path, its kind."""
+
+    units: list[Unit]
+    tp: int
+    decisions: dict[str, str] = field(default_factory=dict)
 
 
 def validate_plan(plan: Union[str, Mapping[str, str]]) -> None:
@@ -63,46 +62,12 @@ def validate_plan(plan: Union[str, Mapping[str, str]]) -> None:
             raise ValueError(f"plan entry {pattern!r}: {kind!r} must be one of {KINDS}")
 
 
-def _auto_decisions(module: nn.Module) -> dict[str, str]:
-    """name -> "column" | "row" | "attention" for the automatic plan."""
-    decisions: dict[str, str] = {}
-    for parent_name, parent in module.named_modules():
-        prefix = f"{parent_name}." if parent_name else ""
-        children = list(parent.named_children())
-        if isinstance(parent, ParallelMultiheadAttention):
-            continue
-        named_col = [n for n, c in children if isinstance(c, nn.Linear) and n in COLUMN_NAMES]
-        named_row = [n for n, c in children if isinstance(c, nn.Linear) and n in ROW_NAMES]
-        if named_col and named_row and not isinstance(parent, nn.MultiheadAttention):
-            for n in named_col:
-                decisions[prefix + n] = "column"
-            for n in named_row:
-                decisions[prefix + n] = "row"
-            continue
-        pending: Optional[tuple[str, nn.Linear]] = None
-        for n, child in children:
-            full = prefix + n
-            if isinstance(child, nn.MultiheadAttention):
-                decisions[full] = "attention"
-                pending = None
-            elif isinstance(child, nn.Linear):
-                if pending is not None and pending[1].out_features == child.in_features and pending[0] not in decisions:
-                    decisions[pending[0]] = "column"
-                    decisions[full] = "row"
-                    pending = None
-                else:
-                    pending = (full, child)
-            elif not isinstance(child, ELEMENTWISE):
-                pending = None
-    return decisions
-
-
 def _explicit_decisions(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     decisions: dict[str, str] = {}
     for name, child in module.named_modules():
         for pattern, kind in plan.items():
             if name and fnmatch.fnmatchcase(name, pattern):
-                if kind != "replicate" and not isinstance(child, (nn.Linear, nn.MultiheadAttention)):
+                if kind != "replicate" and not (isinstance(child, (nn.Linear, nn.MultiheadAttention)) or is_conv1d(child)):
                     raise ValueError(f"plan: {name!r} matched {pattern!r} but is a {type(child).__name__}, not nn.Linear")
                 if kind != "replicate" and isinstance(child, nn.MultiheadAttention):
                     kind = "attention"
@@ -110,9 +75,135 @@ def _explicit_decisions(module: nn.Module, plan: Mapping[str, str]) -> dict[str,
     return {n: k for n, k in decisions.items() if k != "replicate"}
 
 
+def _unit_kinds(unit: Unit) -> dict[str, str]:
+    kinds = {unit.attention: "attention"} if unit.attention else {}
+    kinds.update({c: "column" for c in unit.columns})
+    kinds.update({r: "row" for r in unit.rows})
+    return kinds
+
+
+def _explicit_units(module: nn.Module, decisions: dict[str, str]) -> list[Unit]:
+    """Explicit layers grouped into units: known family units when complete, else column/row by parent."""
+    units, left = [], dict(decisions)
+    for unit in find_units(module):
+        kinds = _unit_kinds(unit)
+        named = {n: k for n, k in kinds.items() if n in decisions}
+        if not named or (named != kinds and all(decisions[n] == "column" for n in named)):
+            continue  # lone column layers gather their outputs (paired by parent below)
+        if named != kinds or any(decisions[n] != k for n, k in kinds.items()):
+            others = sorted(f"{n} ({k})" for n, k in kinds.items() if decisions.get(n) != k)
+            raise ValueError(f"tp_fused plan: {sorted(named)} belong to a {unit.family} unit whose other layers "
+                             f"are not planned as they must be: {others}; their outputs would feed layers that "
+                             "expect the full tensor. Plan the whole unit or none of it.")
+        units.append(unit)
+        for n in kinds:
+            left.pop(n)
+    by_parent: dict[str, Unit] = {}
+    for name, kind in left.items():
+        parent = name.rpartition(".")[0]
+        if kind == "attention":
+            units += multihead_attention_unit(name, module.get_submodule(name))
+            continue
+        unit = by_parent.setdefault(parent, Unit("explicit", heads=parent))
+        (unit.columns if kind == "column" else unit.rows).append(name)
+        if is_conv1d(module.get_submodule(name)):
+            unit.transposed.add(name)
+    for parent, unit in by_parent.items():
+        if unit.rows and not unit.columns:
+            raise ValueError(f"tp_fused plan: row-parallel {unit.rows} in {parent or 'the model'!r} have no "
+                             "column-parallel partner in the same parent, so their input would not be split")
+        if not unit.rows:  # lone column layers gather their outputs: nothing downstream sees a shard
+            unit.heads = None
+        units.append(unit)
+    return units
+
+
+def _dims(module: nn.Module, name: str) -> tuple[int, int]:
+    child = module.get_submodule(name)
+    return (child.nx, child.nf) if is_conv1d(child) else (child.in_features, child.out_features)
+
+
+def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
+               sequence_parallel: bool = False, allow_replicated: bool = False) -> Plan:
+    """The validated plan for ``module`` at TP size ``tp``; changes nothing. Raises ValueError naming the
+    module paths of every unit that cannot be split, and when nothing would be split at ``tp > 1``
+    unless ``allow_replicated``."""
+    validate_plan(plan)
+    units = find_units(module) if plan == "auto" else _explicit_units(module, _explicit_decisions(module, plan))
+    problems = []
+    for unit in units:
+        if unit.problem:
+            problems.append(f"{', '.join(unit.members)} ({unit.family}): {unit.problem}")
+            continue
+        sizes = list(unit.divisible)
+        sizes += [(f"{c}.out_features", _dims(module, c)[1] // unit.chunks.get(c, 1)) for c in unit.columns]
+        sizes += [(f"{r}.in_features", _dims(module, r)[0]) for r in unit.rows]
+        bad = [f"{what}={value}" for what, value in sizes if value < tp or value % tp]
+        if bad:
+            problems.append(f"{', '.join(unit.members)} ({unit.family}): {'; '.join(bad)} not divisible by "
+                            f"tensor_parallel_size={tp}")
+        if sequence_parallel and (unit.chunks or unit.transposed or len({n.rpartition('.')[0] for n in unit.columns + unit.rows}) > 1):
+            problems.append(f"{', '.join(unit.members)} ({unit.family}): sequence_parallel=True is supported for "
+                            "nn.MultiheadAttention and for column/row layers in one parent module only")
+    if problems:
+        raise ValueError("tp_fused: the plan cannot be applied (nothing was changed):\n  " + "\n  ".join(problems)
+                         + "\nChoose a tensor_parallel_size that divides them, or pass plan={'glob': 'column'|'row'|"
+                         "'replicate'} to pick the layers to split.")
+    if not units and tp > 1 and not allow_replicated:
+        raise ValueError(
+            f"tp_fused: no layer of {type(module).__name__} can be split across {tp} ranks (no nn.MultiheadAttention, "
+            "BERT/GPT-2/Llama-style attention or MLP, or nn.Sequential Linear pairs found); every rank would train the "
+            "whole model. Pass plan={'glob.of.names': 'column'|'row'} to choose layers, or "
+            "TensorParallelStrategy(allow_replicated=True) to train replicated on purpose.")
+    result = Plan(units, tp)
+    for unit in units:
+        result.decisions.update(_unit_kinds(unit))
+    return result
+
+
 def _parent(module: nn.Module, name: str):
     parent_name, _, attr = name.rpartition(".")
     return (module.get_submodule(parent_name) if parent_name else module), parent_name, attr
+
+
+def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, linear_kwargs: dict) -> list[Conversion]:
+    rows = []
+    if unit.attention:
+        parent, _, attr = _parent(module, unit.attention)
+        child = getattr(parent, attr)
+        new = ParallelMultiheadAttention(child, group, **sp_kwargs.get(unit.attention, {}), **linear_kwargs)
+        setattr(parent, attr, new)
+        rows.append(Conversion(unit.attention, type(child).__name__, "attention",
+                               f"{child.num_heads} heads -> {new.local_heads}/rank"))
+    for name in unit.columns + unit.rows:
+        parent, _, attr = _parent(module, name)
+        child = getattr(parent, attr)
+        extra = dict(sp_kwargs.get(name, {}), **linear_kwargs)
+        transposed = name in unit.transposed
+        if name in unit.columns:
+            gather = not unit.rows
+            new = ColumnParallelLinear.from_weights(child.weight, child.bias, group, chunks=unit.chunks.get(name, 1),
+                                                    transposed=transposed, gather_output=gather, **extra)
+            detail = f"out {new.out_features} -> {new.out_per_rank}/rank" + (", gathered" if gather else "")
+            if name in unit.chunks:
+                detail += f", {unit.chunks[name]} blocks split each"
+        else:
+            new = RowParallelLinear.from_weights(child.weight, child.bias, group, transposed=transposed,
+                                                 input_is_parallel=True, **extra)
+            detail = f"in {new.in_features} -> {new.in_per_rank}/rank"
+        setattr(parent, attr, new)
+        rows.append(Conversion(name, type(child).__name__, "column" if name in unit.columns else "row", detail))
+    return rows
+
+
+def _divide_head_attrs(module: nn.Module, unit: Unit, tp: int) -> None:
+    if unit.heads is None or not unit.rows:
+        return
+    owner = module.get_submodule(unit.heads) if unit.heads else module
+    for attr in HEAD_ATTRS:
+        value = getattr(owner, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(owner, attr, value // tp)
 
 
 def apply_plan(
@@ -121,103 +212,37 @@ def apply_plan(
     plan: Union[str, Mapping[str, str]] = "auto",
     sequence_parallel: bool = False,
     sequence_dim: Optional[int] = None,
+    allow_replicated: bool = False,
     **linear_kwargs,
 ) -> list[Conversion]:
-    """Replace the planned layers of ``module`` in place; returns the conversion table.
+    """Validate (see :func:`build_plan`), then replace the planned layers of ``module`` in place;
+    returns the conversion table.
 
     ``linear_kwargs`` (``gradient_accumulation_fusion``, ``async_grad_allreduce``, ...) go to every
     parallel layer. With a TP group of size 1 the layers are still converted (fused wgrad path).
     ``sequence_parallel``: see :mod:`~lightning_amp.parallel.sequence` (``sequence_dim`` for blocks
-    other than ``nn.Transformer*Layer``); a model it cannot handle raises ValueError, and no layer
-    may stay replicated.
+    other than ``nn.Transformer*Layer``); a model it cannot handle raises ValueError.
     """
-    validate_plan(plan)
     validate_sequence_dim(sequence_dim)
-    explicit = plan != "auto"
-    decisions = _explicit_decisions(module, plan) if explicit else _auto_decisions(module)
     tp = group_size(group)
+    checked = build_plan(module, plan, tp, sequence_parallel, allow_replicated)
     runs, sp_kwargs = [], {}
     if sequence_parallel:
-        if not decisions:
+        if not checked.units:
             raise ValueError(f"sequence_parallel=True: the plan found no layer of {type(module).__name__} to split")
-        runs, sp_kwargs = plan_runs(module, decisions, sequence_dim)
+        if any(u.columns and not u.rows for u in checked.units):
+            raise ValueError("sequence_parallel=True: column layers "
+                             f"{[c for u in checked.units if not u.rows for c in u.columns]} have no row-parallel partner")
+        runs, sp_kwargs = plan_runs(module, checked.decisions, sequence_dim)
     rows: list[Conversion] = []
-    parents_with_row = {name.rpartition(".")[0] for name, kind in decisions.items() if kind == "row"}
-    converted_parents: dict[str, nn.Module] = {}
-    # a column/row pair must be converted both or neither: check divisibility first
-    failed: set[str] = set()  # parents whose column/row group cannot be split
-    failed_attention: set[str] = set()
-    for name, kind in decisions.items():
-        child = module.get_submodule(name)
-        problem = None
-        if kind == "column" and child.out_features % tp:
-            problem = f"out_features={child.out_features} is not divisible by tensor_parallel_size={tp}"
-        elif kind == "row" and child.in_features % tp:
-            problem = f"in_features={child.in_features} is not divisible by tensor_parallel_size={tp}"
-        elif kind == "attention" and (child.num_heads % tp or child.bias_k is not None or child.add_zero_attn):
-            problem = (f"num_heads={child.num_heads} is not divisible by tensor_parallel_size={tp}"
-                       if child.num_heads % tp else "add_bias_kv/add_zero_attn are not supported")
-        if problem is not None:
-            if explicit or sequence_parallel:
-                raise ValueError(f"tp_fused plan: cannot split {name!r} ({type(child).__name__}): {problem}")
-            if kind in ("column", "row"):
-                failed.add(name.rpartition(".")[0])
-            else:
-                failed_attention.add(name)
-            rows.append(Conversion(name, type(child).__name__, "replicated", problem))
-    for name, kind in decisions.items():
-        parent, parent_name, attr = _parent(module, name)
-        if name in failed_attention:
-            continue
-        if parent_name in failed and kind in ("column", "row"):
-            if not any(r.name == name for r in rows):
-                rows.append(Conversion(name, type(getattr(parent, attr)).__name__, "replicated", "partner layer not split"))
-            continue
-        child = getattr(parent, attr)
-        extra = sp_kwargs.get(name, {})
-        if kind == "attention":
-            new = ParallelMultiheadAttention(child, group, **extra, **linear_kwargs)
-            detail = f"{child.num_heads} heads -> {new.local_heads}/rank"
-        elif kind == "column":
-            gather = parent_name not in parents_with_row
-            if gather and sequence_parallel:
-                raise ValueError(f"sequence_parallel=True: column layer {name!r} has no row-parallel partner in its parent")
-            new = ColumnParallelLinear.from_linear(child, group, gather_output=gather, **extra, **linear_kwargs)
-            detail = f"out {child.out_features} -> {new.out_per_rank}/rank" + (", gathered" if gather else "")
-        else:
-            new = RowParallelLinear.from_linear(child, group, input_is_parallel=True, **extra, **linear_kwargs)
-            detail = f"in {child.in_features} -> {new.in_per_rank}/rank"
-        setattr(parent, attr, new)
-        converted_parents[parent_name] = parent
-        rows.append(Conversion(name, type(child).__name__, kind, detail))
-    for parent_name, parent in converted_parents.items():
-        if isinstance(parent, nn.MultiheadAttention):
-            continue
-        names = [n for n, k in decisions.items() if n.rpartition(".")[0] == parent_name and k in ("column", "row")]
-        if not (set(n.rpartition(".")[2] for n in names) & (COLUMN_NAMES | ROW_NAMES)):
-            continue
-        for attr in HEAD_ATTRS:
-            value = getattr(parent, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                if value % tp:
-                    raise ValueError(f"{parent_name or 'model'}.{attr}={value} is not divisible by tensor_parallel_size={tp}")
-                setattr(parent, attr, value // tp)
+    for unit in checked.units:
+        rows += _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
+        _divide_head_attrs(module, unit, tp)
     if sequence_parallel:
         install_boundaries(module, runs, group)
         for run in runs:
             rows.append(Conversion(run.container, "blocks", "seq-split",
                                    f"{len(run.names)} block(s), sequence dim {run.seq_dim} split between them"))
-    failed_rows = [r for r in rows if r.kind == "replicated"]
-    for r in failed_rows:
-        warnings.warn(f"tp_fused: {r.name} ({r.original}) stays replicated: {r.detail}", UserWarning, stacklevel=2)
-    if not any(r.kind != "replicated" for r in rows) and tp > 1:
-        warnings.warn(
-            f"tp_fused: no layer of {type(module).__name__} could be split across {tp} ranks (no nn.Linear pairs, "
-            "nn.MultiheadAttention or q/k/v/o, up/down projections found); the model stays fully replicated. "
-            "Pass plan={'glob.of.names': 'column'|'row'} to choose layers.",
-            UserWarning,
-            stacklevel=2,
-        )
     return rows
 
 
@@ -236,7 +261,7 @@ def gathered_state_dict(module: nn.Module) -> dict:
     tensors under the original module's keys (collective over each layer's TP group)."""
     state = module.state_dict()
     for name, sub in module.named_modules():
-        if isinstance(sub, (ParallelMultiheadAttention, ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(sub, _PARALLEL):
             if any(isinstance(p, ParallelMultiheadAttention) for p in _ancestors(module, name)):
                 continue
             prefix = f"{name}." if name else ""
@@ -251,7 +276,7 @@ def load_gathered_state_dict(module: nn.Module, state: Mapping[str, Any], strict
     """Load a full (original-layout) state into a converted module, slicing for this rank."""
     state = dict(state)
     for name, sub in module.named_modules():
-        if isinstance(sub, (ParallelMultiheadAttention, ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(sub, _PARALLEL):
             if any(isinstance(p, ParallelMultiheadAttention) for p in _ancestors(module, name)):
                 continue
             prefix = f"{name}." if name else ""
@@ -280,6 +305,6 @@ def _owned_by_parallel(module: nn.Module, key: str) -> bool:
             sub = module.get_submodule(".".join(parts[:i]))
         except AttributeError:
             return False
-        if isinstance(sub, (ParallelMultiheadAttention, ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(sub, _PARALLEL):
             return True
     return False

@@ -12,12 +12,14 @@ This is the only file of ``lightning_amp.parallel`` that imports Lightning.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -51,6 +53,8 @@ class TensorParallelStrategy(DDPStrategy):
         process_group_backend: as for "ddp" (default gloo on CPU, nccl on CUDA).
         bucket_numel: DP all-reduce bucket size in fp32 elements.
         overlap_grad_reduce: launch each DP bucket's all-reduce during backward when it is complete.
+        allow_replicated: when the plan finds nothing to split at ``tensor_parallel_size > 1``, train the
+            whole model replicated on every TP rank instead of raising ValueError at setup.
         **ddp_kwargs: passed to :class:`DDPStrategy` (e.g. ``start_method="spawn"``, ``timeout``).
 
     On CUDA the launcher sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (inherited by every rank) so that the
@@ -75,6 +79,7 @@ class TensorParallelStrategy(DDPStrategy):
         sequence_dim: Optional[int] = None,
         bucket_numel: int = 2**22,
         overlap_grad_reduce: bool = True,
+        allow_replicated: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         if tensor_parallel_size != "auto" and (
@@ -82,7 +87,8 @@ class TensorParallelStrategy(DDPStrategy):
         ):
             raise ValueError(f"tensor_parallel_size must be 'auto' or a positive int, got {tensor_parallel_size!r}")
         for name, value in (("sequence_parallel", sequence_parallel), ("gradient_accumulation_fusion", gradient_accumulation_fusion),
-                            ("async_grad_allreduce", async_grad_allreduce), ("overlap_grad_reduce", overlap_grad_reduce)):
+                            ("async_grad_allreduce", async_grad_allreduce), ("overlap_grad_reduce", overlap_grad_reduce),
+                            ("allow_replicated", allow_replicated)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         validate_sequence_dim(sequence_dim)
@@ -98,6 +104,7 @@ class TensorParallelStrategy(DDPStrategy):
         self.plan = plan
         self.bucket_numel = bucket_numel
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.allow_replicated = allow_replicated
         self.groups: Optional[ParallelGroups] = None
         self.grad_buffer: Optional[MainGradBuffer] = None
         self.conversions: list = []
@@ -129,6 +136,9 @@ class TensorParallelStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         self._validate_sizes()
         super().setup_distributed()
+        if dist.is_initialized() and dist.get_backend() != "nccl":  # Lightning registers this for nccl only
+            atexit.unregister(_destroy_dist_connection)
+            atexit.register(_destroy_dist_connection)
         self.groups = build_groups(self.tensor_parallel_size)
 
     @property
@@ -151,6 +161,7 @@ class TensorParallelStrategy(DDPStrategy):
                 self.plan,
                 sequence_parallel=self.sequence_parallel,
                 sequence_dim=self.sequence_dim,
+                allow_replicated=self.allow_replicated,
                 gradient_accumulation_fusion=self.gradient_accumulation_fusion,
                 async_grad_allreduce=self.async_grad_allreduce,
             )
@@ -184,7 +195,7 @@ class TensorParallelStrategy(DDPStrategy):
         for state in getattr(self.precision_plugin, "_states", None) or []:
             masters = getattr(state, "masters", None)
             for half, master in getattr(masters, "pairs", None) or []:
-                for attr in ("tensor_model_parallel", "partition_dim", "sequence_parallel"):
+                for attr in ("tensor_model_parallel", "partition_dim", "shard_layout", "sequence_parallel"):
                     if hasattr(half, attr):
                         setattr(master, attr, getattr(half, attr))
 
@@ -331,10 +342,11 @@ class TensorParallelStrategy(DDPStrategy):
         for index, per_param in state["state"].items():
             param = params[index]
             per_param = dict(per_param)
-            if getattr(param, "tensor_model_parallel", False):
+            layout = getattr(param, "shard_layout", None)
+            if layout is not None:
                 for key, value in per_param.items():
                     if torch.is_tensor(value) and value.shape == param.shape:
-                        per_param[key] = _gather(value, param.partition_dim, self.groups.tp_group)
+                        per_param[key] = layout.gather(value)
             gathered[index] = per_param
         return {**state, "state": gathered}
 
@@ -349,19 +361,24 @@ class TensorParallelStrategy(DDPStrategy):
             for index, per_param in opt_state["state"].items():
                 param = params[int(index)]
                 per_param = dict(per_param)
-                if getattr(param, "tensor_model_parallel", False):
-                    dim, size = param.partition_dim, param.shape[param.partition_dim]
+                layout = getattr(param, "shard_layout", None)
+                if layout is not None:
                     for key, value in per_param.items():
-                        if torch.is_tensor(value) and value.dim() == param.dim() and value.shape != param.shape:
-                            per_param[key] = value.narrow(dim, self.groups.tp_rank * size, size).clone()
+                        if torch.is_tensor(value) and value.dim() == param.dim():  # saved full, original layout
+                            per_param[key] = layout.shard(value)
                 sliced[index] = per_param
             optimizer.load_state_dict({**opt_state, "state": sliced})
             _optimizer_to_device(optimizer, self.root_device)
 
     def teardown(self) -> None:
+        """Wait for in-flight gradient all-reduces, detach the buffer's hooks and destroy the TP/DP groups
+        (``setup_distributed`` builds them again for a later fit/validate in the same process)."""
         if self.grad_buffer is not None:
             self.grad_buffer.remove_hooks()
             self.grad_buffer = None
+        if self.groups is not None:
+            self.groups.destroy()
+            self.groups = None
         super().teardown()
 
     @classmethod
@@ -383,15 +400,18 @@ def _holds_parallel_layers(module: Any) -> bool:
     return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelMultiheadAttention)) for m in module.modules())
 
 
-def _gather(tensor: Tensor, dim: int, group: Any) -> Tensor:
-    from lightning_amp.parallel.comm import gather_along
-
-    return gather_along(tensor, dim, group)
-
-
 class _GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
     """Spawn launcher that hands the main process the *gathered* weights (original layout), which load
-    into the unconverted module there."""
+    into the unconverted module there, and destroys the default process group before a worker exits.
+
+    Lightning destroys it only for NCCL (an ``atexit`` handler); a gloo group left to interpreter
+    finalization can abort the worker after training finished (SIGABRT, "terminate called without an
+    active exception"), which the launcher reports as a failed run.
+    """
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        _destroy_dist_connection()  # after a failure the process dies anyway; destroying could block
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         module = trainer.lightning_module

@@ -1,0 +1,234 @@
+"""Per-family layouts for ``plan="auto"``: which layers of a known model family form a tensor-parallel unit.
+
+A :class:`Unit` is a set of layers converted together: column-parallel layers whose split outputs
+feed only the unit's row-parallel layers (Megatron's column -> row pairing), the module whose
+head-count attributes must be divided by the TP size, and the sizes that must divide. Families:
+
+=========================================  ===============================================  =====================
+family                                      column (output split)                            row (input split)
+=========================================  ===============================================  =====================
+``nn.MultiheadAttention``                   its own q/k/v (:class:`ParallelMultiheadAttention`, heads split)
+``nn.Transformer{Encoder,Decoder}Layer``    ``linear1``                                      ``linear2``
+BERT/RoBERTa attention (``transformers``)   ``self.query``, ``self.key``, ``self.value``     ``output.dense``
+BERT/RoBERTa MLP                            ``intermediate.dense``                           ``output.dense``
+GPT-2 attention (``Conv1D``)                ``c_attn`` (fused QKV: q, k, v each split)       ``c_proj``
+GPT-2 MLP (``Conv1D``)                      ``c_fc``                                         ``c_proj``
+Llama/Mistral-style attention               ``q_proj``/``query``, ``k_proj``, ``v_proj``     ``o_proj``       
+named MLPs (Llama, Falcon, OPT, ...)        ``gate_proj``/``up_proj``/``fc1``/``w1``/...     ``down_proj``/``fc2``/``w2``/...
+``nn.Sequential``                           ``Linear``, elementwise modules, ``Linear``: first -> column, last -> row
+=========================================  ===============================================  =====================
+
+Attention heads are split whole: the query heads and the key/value heads (GQA) must both divide by
+the TP size, else :func:`lightning_amp.parallel.plan.build_plan` raises naming the module. Matching
+is by structure (child names and types, head attributes), not by class name, so renamed copies of
+these blocks (RoBERTa, ELECTRA, Mistral, Qwen2, ...) are found too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from torch import nn
+
+ELEMENTWISE = (
+    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
+    nn.Hardswish, nn.Identity, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardtanh,
+)
+#: head-count attributes divided by the TP size on a split attention module (when present as ints)
+HEAD_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head", "num_key_value_heads", "n_kv_heads",
+              "all_head_size", "split_size")
+MLP_COLUMNS = ("gate_proj", "up_proj", "fc1", "dense_h_to_4h", "w1", "w3", "c_fc")
+MLP_ROWS = ("down_proj", "fc2", "dense_4h_to_h", "w2", "c_proj")
+
+
+@dataclass
+class Unit:
+    """Layers converted together (module paths relative to the planned module).
+
+    ``attention``: an ``nn.MultiheadAttention`` replaced as a whole. ``chunks``/``transposed``: per
+    column/row path, see :class:`~lightning_amp.parallel.layers.ShardLayout`. ``divisible``: (what,
+    value) pairs that must divide by the TP size. ``problem``: why this unit cannot be split at all.
+    """
+
+    family: str
+    columns: list[str] = field(default_factory=list)
+    rows: list[str] = field(default_factory=list)
+    attention: Optional[str] = None
+    heads: Optional[str] = None
+    chunks: dict[str, int] = field(default_factory=dict)
+    transposed: set[str] = field(default_factory=set)
+    divisible: list[tuple[str, int]] = field(default_factory=list)
+    problem: Optional[str] = None
+
+    @property
+    def members(self) -> list[str]:
+        return ([self.attention] if self.attention else []) + self.columns + self.rows
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """``transformers``' ``Conv1D``: a Linear storing its weight as ``[in, out]`` (``nx``, ``nf``)."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and weight is not None and tuple(weight.shape) == (module.nx, module.nf))
+
+
+def _linear(parent: nn.Module, name: str) -> Optional[nn.Module]:
+    child = getattr(parent, name, None)
+    return child if isinstance(child, nn.Linear) else None
+
+
+def _join(prefix: str, *names: str) -> str:
+    return ".".join(n for n in (prefix, *names) if n)
+
+
+def _int_attr(module: nn.Module, *names: str) -> Optional[int]:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+# ---------------------------------------------------------------------------------- matchers
+# each takes (path, module) and returns the units rooted at that module (or none)
+
+
+def multihead_attention_unit(path: str, m: nn.Module) -> list[Unit]:
+    if not isinstance(m, nn.MultiheadAttention):
+        return []
+    problem = "add_bias_kv/add_zero_attn are not supported" if (m.bias_k is not None or m.add_zero_attn) else None
+    return [Unit("nn.MultiheadAttention", attention=path, divisible=[(f"{path}.num_heads", m.num_heads)], problem=problem)]
+
+
+def _torch_transformer_layer(path: str, m: nn.Module) -> list[Unit]:
+    if not isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return []
+    return [Unit("nn.Transformer layer MLP", [_join(path, "linear1")], [_join(path, "linear2")],
+                 divisible=[(f"{path}.linear1.out_features", m.linear1.out_features)])]
+
+
+def _bert_attention(path: str, m: nn.Module) -> list[Unit]:
+    attn, out = getattr(m, "self", None), getattr(m, "output", None)
+    if not (isinstance(attn, nn.Module) and isinstance(out, nn.Module)):
+        return []
+    qkv = [_linear(attn, n) for n in ("query", "key", "value")]
+    dense = _linear(out, "dense")
+    heads = _int_attr(attn, "num_attention_heads")
+    if None in qkv or dense is None or heads is None:
+        return []
+    own = _join(path, "self")
+    return [Unit("BERT attention", [_join(own, n) for n in ("query", "key", "value")], [_join(path, "output.dense")],
+                 heads=own, divisible=[(f"{own}.num_attention_heads", heads)])]
+
+
+def _bert_mlp(path: str, m: nn.Module) -> list[Unit]:
+    inter, out = getattr(m, "intermediate", None), getattr(m, "output", None)
+    if not (isinstance(inter, nn.Module) and isinstance(out, nn.Module)):
+        return []
+    up, down = _linear(inter, "dense"), _linear(out, "dense")
+    if up is None or down is None or up.out_features != down.in_features:
+        return []
+    return [Unit("BERT MLP", [_join(path, "intermediate.dense")], [_join(path, "output.dense")],
+                 divisible=[(f"{path}.intermediate.dense.out_features", up.out_features)])]
+
+
+def _gpt2_attention(path: str, m: nn.Module) -> list[Unit]:
+    c_attn, c_proj = getattr(m, "c_attn", None), getattr(m, "c_proj", None)
+    if not (is_conv1d(c_attn) and is_conv1d(c_proj)) or _int_attr(m, "split_size") is None:
+        return []
+    heads = _int_attr(m, "num_heads")
+    unit = Unit("GPT-2 attention", [_join(path, "c_attn")], [_join(path, "c_proj")], heads=path,
+                chunks={_join(path, "c_attn"): 3}, transposed={_join(path, "c_attn"), _join(path, "c_proj")},
+                divisible=[(f"{path}.num_heads", heads or 0)])
+    if getattr(m, "is_cross_attention", False) or hasattr(m, "q_attn"):
+        unit.problem = "GPT-2 cross-attention (q_attn) is not supported"
+    elif heads is None or c_attn.nf != 3 * m.split_size:
+        unit.problem = "expected a fused [q; k; v] c_attn of 3 x split_size outputs and a num_heads attribute"
+    return [unit]
+
+
+def _gpt2_mlp(path: str, m: nn.Module) -> list[Unit]:
+    c_fc, c_proj = getattr(m, "c_fc", None), getattr(m, "c_proj", None)
+    if not (is_conv1d(c_fc) and is_conv1d(c_proj)) or c_fc.nf != c_proj.nx:
+        return []
+    names = [_join(path, "c_fc"), _join(path, "c_proj")]
+    return [Unit("GPT-2 MLP", names[:1], names[1:], transposed=set(names), divisible=[(f"{names[0]}.nf", c_fc.nf)])]
+
+
+def _named_attention(path: str, m: nn.Module) -> list[Unit]:
+    """Llama/Mistral/Qwen/OPT-style: ``q_proj``, ``k_proj``, ``v_proj`` (or ``query``, ``key``, ``value``) -> column,
+    ``o_proj``/``out_proj`` -> row, all children of one attention module."""
+    for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value")):
+        if all(_linear(m, n) is not None for n in names):
+            break
+    q, k, v = (_linear(m, n) for n in names)
+    o_name = "o_proj" if _linear(m, "o_proj") is not None else "out_proj"
+    o = _linear(m, o_name)
+    if None in (q, k, v, o):
+        return []
+    unit = Unit("q/k/v/o attention", [_join(path, n) for n in names], [_join(path, o_name)], heads=path)
+    head_dim = _int_attr(m, "head_dim", "head_size", "attention_head_size")
+    heads = _int_attr(m, "num_heads", "num_attention_heads", "n_heads", "n_head")
+    if head_dim is None and heads:
+        head_dim = q.out_features // heads
+    if not head_dim or q.out_features % head_dim or k.out_features % head_dim or q.out_features != o.in_features:
+        unit.problem = "cannot tell the head size (expected a head_dim or num_heads attribute)"
+        return [unit]
+    unit.divisible = [(f"{path} query heads", q.out_features // head_dim),
+                      (f"{path} key/value heads (GQA: fewer key/value heads than tensor-parallel ranks "
+                       "cannot be split; use a smaller tensor_parallel_size)", k.out_features // head_dim)]
+    return [unit]
+
+
+def _named_mlp(path: str, m: nn.Module) -> list[Unit]:
+    cols = [n for n in MLP_COLUMNS if _linear(m, n) is not None]
+    rows = [n for n in MLP_ROWS if _linear(m, n) is not None]
+    if not cols or len(rows) != 1:
+        return []
+    width = _linear(m, rows[0]).in_features
+    if any(_linear(m, n).out_features != width for n in cols):
+        return []
+    return [Unit("named MLP", [_join(path, n) for n in cols], [_join(path, rows[0])],
+                 divisible=[(f"{_join(path, cols[0])}.out_features", width)])]
+
+
+def _sequential_mlp(path: str, m: nn.Module) -> list[Unit]:
+    """In an ``nn.Sequential`` the order is the data flow: Linear, elementwise..., Linear."""
+    if not isinstance(m, nn.Sequential):
+        return []
+    units, pending = [], None
+    for name, child in m.named_children():
+        if isinstance(child, nn.Linear):
+            if pending is not None and pending[1].out_features == child.in_features:
+                units.append(Unit("nn.Sequential MLP", [_join(path, pending[0])], [_join(path, name)],
+                                  divisible=[(f"{_join(path, pending[0])}.out_features", child.in_features)]))
+                pending = None
+            else:
+                pending = (name, child)
+        elif not isinstance(child, ELEMENTWISE):
+            pending = None
+    return units
+
+
+MATCHERS: tuple[Callable[[str, nn.Module], list[Unit]], ...] = (
+    multihead_attention_unit, _torch_transformer_layer, _bert_attention, _bert_mlp, _gpt2_attention, _gpt2_mlp,
+    _named_attention, _named_mlp, _sequential_mlp,
+)
+
+
+def find_units(module: nn.Module) -> list[Unit]:
+    """Every unit of the known families in ``module`` (a layer belongs to at most one unit)."""
+    units: list[Unit] = []
+    claimed: set[str] = set()
+    inside_mha: list[str] = []
+    for path, sub in module.named_modules():
+        if any(path.startswith(p + ".") for p in inside_mha):
+            continue
+        if isinstance(sub, nn.MultiheadAttention):
+            inside_mha.append(path)
+        for matcher in MATCHERS:
+            for unit in matcher(path, sub):
+                if not claimed.intersection(unit.members):
+                    claimed.update(unit.members)
+                    units.append(unit)
+    return units

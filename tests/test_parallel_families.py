@@ -1,0 +1,236 @@
+"""tp_fused on model families nobody here wrote (tiny, randomly initialised, no downloads): ``transformers``
+BERT, RoBERTa, GPT-2 (Conv1D, fused QKV), Llama and Mistral (GQA), and Lightning's demo ``nn.Transformer``.
+
+One LightningModule holds every family and trains them side by side (the loss is their sum; their params
+are disjoint, so each family trains exactly as it would alone). On 2 real gloo ranks at TP=2 each family's
+per-step loss must equal the single-device run's and the gathered checkpoint must equal the single-device
+checkpoint; the checkpoint taken mid-run resumes at TP=2 and at TP=1 onto the uninterrupted run. Plan
+validation (what is refused, before anything changes) is checked in-process.
+"""
+import json
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+transformers = pytest.importorskip("transformers")
+
+import lightning_amp  # noqa: E402,F401  (registers "tp_fused")
+from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from lightning_amp.parallel.plan import build_plan  # noqa: E402
+from lightning_amp.parallel.strategy import TensorParallelStrategy  # noqa: E402
+from _net import free_port  # noqa: E402
+
+VOCAB, SEQ, HIDDEN, LAYERS, HEADS, FFN, BATCH, STEPS, MIDWAY = 64, 16, 32, 2, 4, 64, 4, 6, 3
+FAMILIES = ("bert", "roberta", "gpt2", "llama", "mistral", "demo")
+
+
+def hf_models():
+    """name -> a tiny ``transformers`` model with random weights and no dropout (its forward takes labels)."""
+    from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                              MistralConfig, MistralForCausalLM, RobertaConfig, RobertaForMaskedLM)
+
+    bert = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                intermediate_size=FFN, max_position_embeddings=SEQ + 4, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0)
+    llama = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                 num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=SEQ)
+    return {
+        "bert": BertForMaskedLM(BertConfig(**bert)),
+        "roberta": RobertaForMaskedLM(RobertaConfig(**bert, pad_token_id=1)),
+        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
+                                           n_positions=SEQ, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "llama": LlamaForCausalLM(LlamaConfig(**llama)),
+        "mistral": MistralForCausalLM(MistralConfig(**llama, sliding_window=None)),
+    }
+
+
+class Zoo(pl.LightningModule):
+    """Every family side by side; ``losses[family]`` records each one's loss per step."""
+
+    def __init__(self, out_dir: str = "", lr: float = 0.1, names: tuple = FAMILIES):
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        torch.manual_seed(0)
+        self.out_dir, self.lr = out_dir, lr
+        self.families = nn.ModuleDict(hf_models())
+        self.families["demo"] = Transformer(vocab_size=VOCAB, ninp=HIDDEN, nhead=HEADS, nhid=FFN, nlayers=LAYERS, dropout=0.0)
+        for name in set(FAMILIES) - set(names):
+            del self.families[name]
+        self.losses = {name: [] for name in self.families}
+
+    def setup(self, stage):
+        if self.trainer.world_size > 1:  # 2 ranks on 2 shared cores: do not oversubscribe
+            torch.set_num_threads(1)
+
+    def family_losses(self, tokens):
+        target = tokens.roll(1, dims=1)
+        losses = {}
+        for name, model in self.families.items():
+            if name == "demo":
+                out = model(tokens, target)
+                losses[name] = nn.functional.nll_loss(out.reshape(-1, VOCAB).float(), target.reshape(-1))
+            else:
+                losses[name] = model(input_ids=tokens, labels=target).loss.float()
+        return losses
+
+    def training_step(self, batch, batch_idx):
+        losses = self.family_losses(batch[0])
+        for name, loss in losses.items():
+            self.losses[name].append(loss.item())
+        return sum(losses.values())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.out_dir and self.trainer.global_step == MIDWAY:
+            self.trainer.save_checkpoint(os.path.join(self.out_dir, "midway.ckpt"))  # collective
+
+    def on_train_end(self):
+        if self.out_dir:
+            self.trainer.save_checkpoint(os.path.join(self.out_dir, "final.ckpt"))
+            if self.trainer.is_global_zero:
+                with open(os.path.join(self.out_dir, "losses.json"), "w") as f:
+                    json.dump(self.losses, f)
+
+
+def data():
+    """MIDWAY batches per epoch: the midway checkpoint ends an epoch, so a resumed run sees the same batches."""
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randint(3, VOCAB, (MIDWAY * BATCH, SEQ), generator=g)), batch_size=BATCH)
+
+
+def fit(out_dir, strategy, devices, ckpt_path=None, names=FAMILIES, **trainer_kwargs):
+    os.environ["MASTER_PORT"] = str(free_port())
+    out_dir.mkdir()
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, **trainer_kwargs)
+    model = Zoo(str(out_dir), names=names)
+    trainer.fit(model, data(), ckpt_path=ckpt_path)
+    if dist.is_initialized():  # in-process single-device DDP-family runs leave a group behind
+        dist.destroy_process_group()
+    with open(out_dir / "losses.json") as f:
+        return json.load(f), model
+
+
+def rel_loss_diff(got, ref):
+    return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+
+
+def state_diff(got: dict, ref: dict, prefix: str) -> float:
+    """Largest |got - ref| of the family's tensors, relative to the largest |ref| among them."""
+    keys = [k for k in ref if k.startswith(prefix) and ref[k].is_floating_point()]
+    scale = max(ref[k].abs().max().item() for k in keys)
+    return max((got[k] - ref[k]).abs().max().item() for k in keys) / scale
+
+
+def test_families_tp2_match_single_device_checkpoints_and_resume(tmp_path):
+    ref, _ = fit(tmp_path / "single", "auto", 1)
+    tp2, _ = fit(tmp_path / "tp2", TensorParallelStrategy(start_method="spawn"), 2)
+    ref_state = torch.load(tmp_path / "single" / "final.ckpt", weights_only=False)["state_dict"]
+    tp_state = torch.load(tmp_path / "tp2" / "final.ckpt", weights_only=False)["state_dict"]
+    assert set(tp_state) == set(ref_state)  # the original key layout (Conv1D, in_proj, head attrs untouched)
+    plain = Zoo()
+    plain.load_state_dict(tp_state)  # strict: loads into the unconverted model
+    report = {}
+    for name in ref:
+        assert len(tp2[name]) == len(ref[name]) == STEPS
+        assert ref[name][-1] < ref[name][0], f"{name} did not train: {ref[name]}"
+        loss_diff = rel_loss_diff(tp2[name], ref[name])
+        ckpt_diff = state_diff(tp_state, ref_state, f"families.{name}.")
+        report[name] = (loss_diff, ckpt_diff)
+        assert loss_diff < 1e-5, f"{name}: TP=2 losses {tp2[name]} vs single device {ref[name]}"
+        assert ckpt_diff < 1e-5, f"{name}: TP=2 checkpoint differs from single device by {ckpt_diff:.2e}"
+    print("\nfamily: max rel loss diff, max ckpt diff (rel. to max |w|)\n" +
+          "\n".join(f"  {n}: {a:.2e} {b:.2e}" for n, (a, b) in report.items()))
+
+    # the midway checkpoint resumes onto the uninterrupted run: at TP=2, and resharded at TP=1
+    midway = str(tmp_path / "tp2" / "midway.ckpt")
+    resumed_tp2, _ = fit(tmp_path / "resume_tp2", TensorParallelStrategy(start_method="spawn"), 2, ckpt_path=midway)
+    resumed_tp1, model = fit(tmp_path / "resume_tp1", "tp_fused", 1, ckpt_path=midway)
+    assert isinstance(model.families["gpt2"].transformer.h[0].attn.c_attn, ColumnParallelLinear)
+    for run in ("resume_tp2", "resume_tp1"):
+        state = torch.load(tmp_path / run / "final.ckpt", weights_only=False)["state_dict"]
+        losses = resumed_tp2 if run == "resume_tp2" else resumed_tp1
+        for name in ref:
+            assert rel_loss_diff(losses[name], ref[name][MIDWAY:]) < 1e-5, f"{run} {name}: {losses[name]}"
+            assert state_diff(state, ref_state, f"families.{name}.") < 1e-5, f"{run} {name}"
+
+
+def _o2_trains(tmp_path, names):
+    from lightning_amp.precision import AmpO2Plugin
+
+    losses, _ = fit(tmp_path / "o2", TensorParallelStrategy(start_method="spawn"), 2, names=names,
+                    plugins=[AmpO2Plugin(dtype="bfloat16")])
+    assert set(losses) == set(names)
+    for name, values in losses.items():
+        assert len(values) == STEPS and all(torch.isfinite(torch.tensor(values))), f"{name}: {values}"
+        assert values[-1] < values[0], f"{name} did not train under O2 bf16: {values}"
+
+
+def test_transformers_families_tp2_bf16_o2_train(tmp_path):
+    """TP=2 with AmpO2Plugin(bfloat16): every ``transformers`` family trains (finite losses that fall)."""
+    _o2_trains(tmp_path, FAMILIES[:-1])
+
+
+@pytest.mark.xfail(strict=True, reason="needs olevels O2 forward fix (fp32 tensors created inside forward meet "
+                                       "bf16 layers: 'mixed dtype (CPU): expect parameter to have scalar type of Float')")
+def test_demo_transformer_tp2_bf16_o2_trains(tmp_path):
+    _o2_trains(tmp_path, ("demo",))
+
+
+# ------------------------------------------------------------------ the plan, validated before anything changes
+
+
+def _names(units, kind):
+    return sorted(n for u in units for n in getattr(u, kind))
+
+
+def test_auto_plan_finds_each_family_layout():
+    models = hf_models()
+    bert = build_plan(models["bert"], "auto", 2).units
+    assert {u.family for u in bert} == {"BERT attention", "BERT MLP"}
+    layer = "bert.encoder.layer.0."
+    assert {f"{layer}attention.self.{n}" for n in ("query", "key", "value")} <= set(_names(bert, "columns"))
+    assert {f"{layer}attention.output.dense", f"{layer}output.dense"} <= set(_names(bert, "rows"))
+    assert f"{layer}intermediate.dense" in _names(bert, "columns")
+    gpt2 = {u.members[0]: u for u in build_plan(models["gpt2"], "auto", 2).units}
+    assert gpt2["transformer.h.0.attn.c_attn"].chunks == {"transformer.h.0.attn.c_attn": 3}
+    assert gpt2["transformer.h.0.mlp.c_fc"].transposed == {"transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"}
+    llama = build_plan(models["llama"], "auto", 2).units
+    assert _names(llama, "rows") == sorted(f"model.layers.{i}.{n}" for i in range(LAYERS) for n in ("self_attn.o_proj", "mlp.down_proj"))
+
+
+def test_plan_refuses_what_cannot_be_split_and_changes_nothing():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    gqa = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=1, intermediate_size=FFN))
+    before = {k: v.clone() for k, v in gqa.state_dict().items()}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn key/value heads.*GQA.*=1 not divisible"):
+        build_plan(gqa, "auto", 2)
+    bert = hf_models()["bert"]
+    with pytest.raises(ValueError, match=r"bert\.encoder\.layer\.0\.attention\.self\.num_attention_heads=4 not divisible by tensor_parallel_size=8"):
+        build_plan(bert, "auto", 8)
+    # an explicit plan whose row layer would get a full key/value where it expects shards
+    with pytest.raises(ValueError, match=r"attention\.self\.key \(column\)"):
+        build_plan(bert, {"*.attention.self.query": "column", "*.attention.output.dense": "row"}, 2)
+    with pytest.raises(ValueError, match=r"\['1'\] belong to a nn.Sequential MLP unit .*'0 \(column\)'"):
+        build_plan(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), {"1": "row"}, 2)
+    with pytest.raises(ValueError, match=r"row-parallel \['2'\] in 'the model' have no column-parallel partner"):
+        build_plan(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 4)), {"2": "row"}, 2)
+    # nothing to split: refused unless training replicated is asked for
+    convs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten())
+    with pytest.raises(ValueError, match="allow_replicated=True"):
+        build_plan(convs, "auto", 2)
+    assert build_plan(convs, "auto", 2, allow_replicated=True).units == []
+    assert build_plan(convs, "auto", 1).units == []  # TP=1: pure data parallel, nothing to split is fine
+    assert all(torch.equal(before[k], v) for k, v in gqa.state_dict().items())
+    assert not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in gqa.modules())
