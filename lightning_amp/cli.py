@@ -1,12 +1,16 @@
 """The ``lightning-amp`` command.
 
-    lightning-amp bench [--models feedforward,unet,bert] [--levels fp32,O1,O2,O3] [--dtype auto]
-                        [--steps N] [--size tiny|small|base] [--out DIR] [--quick]
+    lightning-amp bench [--models feedforward,unet,bert] [--levels fp32,bf16-mixed,bf16-true,O1,O2,O3]
+                        [--dtype auto] [--accelerator auto|cpu|cuda] [--steps N] [--size tiny|small|base]
+                        [--batch-size N] [--out DIR] [--quick]
     lightning-amp info
 
-``bench`` trains each example model at each level in a fresh process, prints a table (median step
-time, samples/s, speed-up, peak memory and its ratio, final loss and its difference, all against
-fp32) and writes DIR/bench.json, DIR/bench.png and DIR/bench.md. Bad arguments exit with status 2
+``bench`` trains each example model at each level (lightning-amp's O0-O3 and Lightning's own
+precisions) in a fresh process, with the batches drawn on the device before timing, and prints a
+table (step time over a window of steps, samples/s, the optimizer that ran, speed-up and peak memory
+against fp32 and against Lightning's bf16-mixed, final loss against chance and against fp32); it
+writes DIR/bench.json, DIR/bench.png and DIR/bench.md. Defaults depend on the device: tiny models on
+CPU, BERT-base at batch 256 (and the others GPU-sized) on CUDA. Bad arguments exit with status 2
 and a usage message.
 """
 from __future__ import annotations
@@ -14,15 +18,23 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
+import subprocess
 import sys
 from typing import Optional, Sequence
 
 from lightning_amp.bench.models import MODELS, SIZES
-from lightning_amp.bench.worker import DTYPES, LEVELS
+from lightning_amp.bench.runner import DEFAULT_WARMUP
+from lightning_amp.bench.worker import ACCELERATORS, DTYPES, LEVELS
 
 MODEL_NAMES = tuple(MODELS)
 QUICK = dict(size="tiny", steps=3, warmup=1)
-DEFAULT_SIZE, DEFAULT_WARMUP = "small", 2
+
+
+def default_levels(dtype: str) -> list[str]:
+    """fp32, Lightning's mixed and pure half precision in the half dtype asked for, and O1-O3."""
+    half = "16" if dtype == "float16" else "bf16"
+    return ["fp32", f"{half}-mixed", f"{half}-true", "O1", "O2", "O3"]
 
 
 def _comma_list(allowed: Sequence[str], what: str):
@@ -56,18 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[2])
     bench.add_argument("--models", type=_comma_list(MODEL_NAMES, "model"), default=list(MODEL_NAMES),
                        help=f"comma-separated, from {','.join(MODEL_NAMES)} (default: all)")
-    bench.add_argument("--levels", type=_comma_list(LEVELS, "level"), default=["fp32", "O1", "O2", "O3"],
-                       help=f"comma-separated, from {','.join(LEVELS)} (default: fp32,O1,O2,O3)")
+    bench.add_argument("--levels", type=_comma_list(LEVELS, "level"), default=None,
+                       help=f"comma-separated, from {','.join(LEVELS)} (default: {','.join(default_levels('auto'))}; "
+                            "with --dtype float16 the 16-mixed/16-true peers)")
     bench.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="half dtype; auto = bfloat16 on CPU and bf16-capable GPUs, else float16")
+                       help="half dtype of O1-O3; auto = bfloat16 on CPU and bf16-capable GPUs, else float16")
+    bench.add_argument("--accelerator", choices=ACCELERATORS, default="auto",
+                       help="auto = cuda when torch sees a GPU, else cpu (default: auto)")
     bench.add_argument("--steps", type=_int_at_least(1), default=None,
-                       help="timed steps per run (default: per model, " + ", ".join(f"{m.name} {m.default_steps}" for m in MODELS.values()) + "; --quick: 3)")
+                       help="timed steps per run (default per model, cpu/cuda: " + ", ".join(
+                           f"{m.name} {m.cpu_steps}/{m.gpu_steps}" for m in MODELS.values()) + "; --quick: 3)")
     bench.add_argument("--warmup", type=_int_at_least(0), default=None,
-                       help=f"untimed warm-up steps per run (default: {DEFAULT_WARMUP}; --quick: 1)")
+                       help="untimed warm-up steps per run (default: "
+                            f"{DEFAULT_WARMUP['cpu']} on cpu, {DEFAULT_WARMUP['cuda']} on cuda; --quick: 1)")
     bench.add_argument("--size", choices=SIZES, default=None,
-                       help=f"model size (default: {DEFAULT_SIZE}; --quick: tiny)")
+                       help="model size (default: tiny on cpu, base on cuda; --quick: tiny)")
+    bench.add_argument("--batch-size", type=_int_at_least(1), default=None,
+                       help="samples per step (default: the example's batch for the size on cpu; on cuda "
+                            + ", ".join(f"{m.name} {m.gpu_batch}" for m in MODELS.values()) + ")")
     bench.add_argument("--seed", type=int, default=0, help="weights and data seed, the same for every level (default: 0)")
-    bench.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto", help="default: auto")
     bench.add_argument("--threads", type=_int_at_least(1), default=None,
                        help="torch CPU threads per run (default: torch's default, one per core)")
     bench.add_argument("--out", default="bench-out", help="output folder for bench.json/png/md (default: bench-out)")
@@ -77,16 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
 
     from lightning_amp.bench import draw_chart, markdown_table, plan_runs, rich_table, run_matrix, write_json
 
-    size = args.size or (QUICK["size"] if args.quick else DEFAULT_SIZE)
+    size = args.size or (QUICK["size"] if args.quick else None)
     steps = args.steps or (QUICK["steps"] if args.quick else None)
-    warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if args.quick else DEFAULT_WARMUP)
-    specs = plan_runs(args.models, args.levels, dtype=args.dtype, size=size, steps=steps, warmup=warmup,
-                      seed=args.seed, accelerator=args.accelerator, threads=args.threads)
+    warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if args.quick else None)
+    try:
+        specs = plan_runs(args.models, args.levels or default_levels(args.dtype), dtype=args.dtype, size=size,
+                          steps=steps, warmup=warmup, seed=args.seed, accelerator=args.accelerator,
+                          threads=args.threads, batch_size=args.batch_size)
+    except ValueError as error:  # e.g. --accelerator cuda without a GPU
+        parser.error(str(error))
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # piped or captured: do not squeeze the table into 80 columns
@@ -98,18 +121,33 @@ def _bench(args: argparse.Namespace) -> int:
     device = ok[0]["device_name"] if ok else "unknown device"
     import torch
 
-    title = f"lightning-amp bench, {started:%Y-%m-%d %H:%M} UTC, {device}, torch {torch.__version__}"
+    title = (f"lightning-amp bench, {started:%Y-%m-%d %H:%M} UTC, {device}, torch {torch.__version__}, "
+             f"commit {_commit()}")
     console.print(rich_table(records, title=title))
     os.makedirs(args.out, exist_ok=True)
     write_json(records, os.path.join(args.out, "bench.json"))
     with open(os.path.join(args.out, "bench.md"), "w") as md:
-        md.write(f"{title} (size {size}; {(finished - started).total_seconds():.0f} s in all)\n\n")
+        md.write(f"{title}; {(finished - started).total_seconds():.0f} s in all\n\n"
+                 f"command: `lightning-amp {shlex.join(args.argv)}`\n\n")
         md.write(markdown_table(records))
     if ok:
         draw_chart(records, os.path.join(args.out, "bench.png"), title=f"lightning-amp bench ({device})")
     console.print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if ok else "")
                   + f" in {(finished - started).total_seconds():.0f} s")
     return 0 if len(ok) == len(records) else 1
+
+
+def _commit() -> str:
+    """The source checkout's short commit (with "+dirty" for local changes), or "unknown"."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def _cpu_bf16_flags() -> str:
@@ -145,9 +183,11 @@ def _info() -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``lightning-amp`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "bench":
-        return _bench(args)
+        return _bench(args, parser)
     return _info()
 
 

@@ -14,8 +14,12 @@ import torch
 from lightning_amp import cli
 from lightning_amp.bench import RunSpec, compare, draw_chart, markdown_table
 from lightning_amp.bench.chart import LEVEL_COLOURS
-from lightning_amp.bench.memory import PeakMemory
+from lightning_amp.bench import memory as memory_module
+from lightning_amp.bench import runner
+from lightning_amp.bench.memory import METHODS, PeakMemory
+from lightning_amp.bench.models import chance_loss
 from lightning_amp.bench.report import JSON_KEYS
+from lightning_amp.bench.timing import CudaClock, StepWindow
 
 
 @pytest.mark.parametrize(
@@ -28,6 +32,9 @@ from lightning_amp.bench.report import JSON_KEYS
         (["bench", "--steps", "-3"], "must be >= 1"),
         (["bench", "--steps", "ten"], "expected an integer"),
         (["bench", "--dtype", "float64"], "invalid choice: 'float64'"),
+        (["bench", "--levels", "fp32,32-false"], "unknown level 32-false"),
+        (["bench", "--accelerator", "tpu"], "invalid choice: 'tpu'"),
+        (["bench", "--batch-size", "0"], "must be >= 1"),
         (["bench", "--models", ""], "unknown model"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "required"),
@@ -53,7 +60,9 @@ def test_console_script_rejects_bad_arguments():
 def test_run_spec_refuses_bad_values():
     for kwargs, name in ((dict(model="resnet", level="O2"), "model"), (dict(model="bert", level="O5"), "level"),
                          (dict(model="bert", level="O2", size="xl"), "size"), (dict(model="bert", level="O2", steps=0), "steps"),
-                         (dict(model="bert", level="O2", dtype="int8"), "dtype"), (dict(model="bert", level="O2", threads=0), "threads")):
+                         (dict(model="bert", level="O2", dtype="int8"), "dtype"), (dict(model="bert", level="O2", threads=0), "threads"),
+                         (dict(model="bert", level="O2", accelerator="gpu"), "accelerator"),
+                         (dict(model="bert", level="O2", batch_size=0), "batch_size")):
         with pytest.raises(ValueError, match=name):
             RunSpec(**kwargs)
 
@@ -69,40 +78,52 @@ def _has_colour(pixels: np.ndarray, hex_colour: str) -> bool:
     return bool((np.abs(pixels[..., :3] - rgb).max(axis=-1) < 0.02).sum() > 200)
 
 
+QUICK_LEVELS = ("fp32", "bf16-mixed", "bf16-true", "O2")
+
+
 def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
     out = tmp_path / "bench-out"
-    assert cli.main(["bench", "--quick", "--accelerator", "cpu", "--threads", "1", "--out", str(out)]) == 0
+    argv = ["bench", "--quick", "--accelerator", "cpu", "--threads", "1", "--levels", ",".join(QUICK_LEVELS),
+            "--out", str(out)]
+    assert cli.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "speed-up" in printed and "bert" in printed
+    assert "speed-up" in printed and "vs mixed" in printed and "bert" in printed
 
     records = json.loads((out / "bench.json").read_text())
     pairs = [(r["model"], r["level"]) for r in records]
-    assert pairs == [(m, lv) for m in ("feedforward", "unet", "bert") for lv in ("fp32", "O1", "O2", "O3")]
+    assert pairs == [(m, lv) for m in ("feedforward", "unet", "bert") for lv in QUICK_LEVELS]
     for record in records:
         assert set(JSON_KEYS) <= set(record), record
         assert "error" not in record, record
         assert record["device"] == "cpu" and record["steps"] == 3 and len(record["loss_curve"]) == 4
         assert record["dtype"] == ("float32" if record["level"] == "fp32" else "bfloat16")
-        for key in ("step_time_ms", "samples_per_s", "peak_mem_mb", "final_loss"):
+        assert record["peak_mem_method"] in METHODS and record["peak_mem_clamped"] in (True, False)
+        assert record["optimizer"].split("(")[0] in ("AdamW", "Adam")  # what the examples configure
+        assert record["precision_plugin"] == {"fp32": "Precision", "bf16-mixed": "MixedPrecision",
+                                              "bf16-true": "HalfPrecision", "O2": "AmpO2Plugin"}[record["level"]]
+        for key in ("step_time_ms", "samples_per_s", "peak_mem_mb", "final_loss", "chance_loss"):
             assert math.isfinite(record[key]) and record[key] > 0, (key, record)
         assert record["samples_per_s"] == pytest.approx(record["batch_size"] / (record["step_time_ms"] / 1000))
         assert record["final_loss"] == pytest.approx(sum(record["loss_curve"][-5:]) / len(record["loss_curve"][-5:]))
+        assert record["learned"] is False  # 4 steps learn nothing, and the table must say so
     for model in ("feedforward", "unet", "bert"):
         first_losses = {r["level"]: r["loss_curve"][0] for r in records if r["model"] == model}
-        for level in ("O1", "O2", "O3"):  # same weights and batch: the first loss differs only by rounding
+        for level in QUICK_LEVELS[1:]:  # same weights and batch: the first loss differs only by rounding
             assert first_losses[level] == pytest.approx(first_losses["fp32"], rel=0.03), (model, first_losses)
 
     pixels = _png_pixels(out / "bench.png")
     assert pixels.shape[0] >= 600 and pixels.shape[1] >= 1200  # 3 model columns, 2 rows of bars
-    for level in ("fp32", "O1", "O2", "O3"):
+    for level in QUICK_LEVELS:
         assert _has_colour(pixels, LEVEL_COLOURS[level]), f"no {level} bars in the chart"
     table = (out / "bench.md").read_text()
     assert table.count("\n| ") == 13  # header + 12 rows
+    assert "(untrained)" in table and f"command: `lightning-amp {' '.join(argv[:-1])}" in table
 
 
-def _record(model, level, step_ms, mem, loss, batch=8):
+def _record(model, level, step_ms, mem, loss, batch=8, learned=True):
     return {"model": model, "level": level, "dtype": "bfloat16", "device": "cpu", "steps": 5, "step_time_ms": step_ms,
-            "samples_per_s": batch / step_ms * 1000, "peak_mem_mb": mem, "final_loss": loss, "loss_curve": [loss]}
+            "samples_per_s": batch / step_ms * 1000, "peak_mem_mb": mem, "final_loss": loss, "loss_curve": [loss],
+            "chance_loss": 0.69, "learned": learned, "optimizer": "AdamW(fused=None, foreach=None)"}
 
 
 def test_comparison_against_fp32_and_o0_baselines():
@@ -122,7 +143,133 @@ def test_comparison_against_fp32_and_o0_baselines():
     assert by_key["feedforward", "O2"].speedup is None  # no baseline run
     assert by_key["bert", "O3"].speedup is None
     table = markdown_table(records)
-    assert "2.50x" in table and "+1.00%" in table and "failed" in table
+    assert "2.50x" in table and "+1.00%" in table and "failed" in table and "AdamW" in table
+    assert "(untrained)" not in table
+
+
+def test_comparison_against_lightning_mixed_and_untrained_baseline():
+    records = [
+        _record("bert", "32-true", 300.0, 1200.0, 0.68, learned=False), _record("bert", "bf16-mixed", 200.0, 800.0, 0.69),
+        _record("bert", "O2", 100.0, 600.0, 0.70), _record("bert", "bf16-true", 80.0, 500.0, 0.71),
+    ]
+    by_level = {c.record["level"]: c for c in compare(records)}
+    o2 = by_level["O2"]
+    assert o2.speedup == pytest.approx(3.0) and o2.speedup_vs_mixed == pytest.approx(2.0)
+    assert o2.memory_ratio == pytest.approx(0.5) and o2.memory_vs_mixed == pytest.approx(0.75)
+    assert o2.baseline_learned is False
+    assert by_level["bf16-mixed"].speedup_vs_mixed == pytest.approx(1.0)
+    table = markdown_table(records)
+    assert "2.00x" in table and "0.75" in table and table.count("(untrained)") == 4
+    assert "| 1.01 |" in table  # O2's final loss / chance loss, 0.70 / 0.69
+
+
+class CountingClock:
+    """A fake device clock: marks are numbers; reading the time is the one 'sync'."""
+
+    def __init__(self) -> None:
+        self.marks, self.syncs, self.now = 0, 0, 0.0
+
+    def mark(self) -> float:
+        self.marks += 1
+        return self.now
+
+    def seconds(self, start: float, end: float) -> float:
+        self.syncs += 1
+        return end - start
+
+
+def test_step_window_marks_twice_and_syncs_once():
+    clock = CountingClock()
+    window = StepWindow(clock, first=2, steps=4)
+    for step in range(6):
+        window.on_train_batch_start(None, None, None, step)
+        clock.now += 0.5 if step >= 2 else 7.0  # warm-up steps are slow and must not count
+        window.on_train_batch_end(None, None, {"loss": torch.tensor(1.0 / (step + 1))}, None, step)
+    assert clock.marks == 2 and clock.syncs == 0  # nothing waited for the device during training
+    assert window.seconds_per_step() == pytest.approx(0.5)
+    assert clock.syncs == 1
+    assert window.losses() == pytest.approx([1.0 / (s + 1) for s in range(6)])
+    unfinished = StepWindow(CountingClock(), first=1, steps=3)
+    unfinished.on_train_batch_start(None, None, None, 0)
+    unfinished.on_train_batch_end(None, None, torch.tensor(0.3), None, 0)
+    with pytest.raises(RuntimeError, match="did not close: 1 steps ran, 4 needed"):
+        unfinished.seconds_per_step()
+    with pytest.raises(ValueError, match="steps >= 1"):
+        StepWindow(clock, first=0, steps=0)
+
+
+def test_cuda_clock_records_events_and_waits_only_for_the_last(monkeypatch):
+    """The CUDA path by construction, on CPU: fake events count records and host waits."""
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = len(log) * 10.0
+            log.append("record")
+
+        def synchronize(self):
+            log.append("sync")
+
+        def elapsed_time(self, end):  # milliseconds, as torch's
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    window = StepWindow(CudaClock(), first=1, steps=2)
+    for step in range(3):
+        window.on_train_batch_start(None, None, None, step)
+        window.on_train_batch_end(None, None, torch.tensor(0.5), None, step)
+    assert log == ["record", "record"]
+    assert window.seconds_per_step() == pytest.approx(10.0 / 1000 / 2)
+    assert log == ["record", "record", "sync"]
+
+
+def test_step_window_in_a_real_fit():
+    """Lightning calls the hooks once per optimizer step: the window closes after warmup + steps."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    clock = CountingClock()
+    window = StepWindow(clock, first=2, steps=3)
+    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[window])
+    trainer.fit(BoringModel())
+    assert clock.marks == 2 and len(window.losses()) == 5
+    window.seconds_per_step()
+    assert clock.syncs == 1
+
+
+def test_chance_loss_of_the_best_constant_prediction():
+    labels = torch.tensor([0, 1] * 50)
+    assert chance_loss([(torch.zeros(100, 3), labels)]) == pytest.approx(math.log(2))
+    three = torch.tensor([0] * 50 + [1] * 25 + [2] * 25)
+    assert chance_loss([(None, three[:40]), (None, three[40:])]) == pytest.approx(
+        -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)))
+    target = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    assert chance_loss([(None, target)]) == pytest.approx(float(((target - target.mean()) ** 2).mean()))
+
+
+def test_plan_runs_picks_device_sized_defaults(monkeypatch):
+    cpu = {s.model: s for s in runner.plan_runs(["bert", "unet"], ["fp32"], accelerator="cpu")}
+    assert cpu["bert"].size == "tiny" and cpu["bert"].batch_size is None and cpu["bert"].steps == 150
+    assert cpu["bert"].warmup == 2
+    monkeypatch.setattr(runner, "resolve_device", lambda accelerator: "cuda")
+    gpu = {s.model: s for s in runner.plan_runs(["bert", "unet"], ["fp32", "bf16-mixed"])}
+    assert (gpu["bert"].size, gpu["bert"].batch_size, gpu["bert"].steps, gpu["bert"].warmup) == ("base", 256, 300, 10)
+    assert gpu["unet"].size == "base" and gpu["unet"].batch_size == 64
+    chosen = runner.plan_runs(["bert"], ["O2"], size="small", steps=7, warmup=0)[0]
+    assert (chosen.size, chosen.batch_size, chosen.steps, chosen.warmup) == ("small", None, 7, 0)
+
+
+def test_accelerator_cuda_without_a_gpu_is_a_usage_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--accelerator", "cuda"])
+    assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
 
 
 def test_chart_draws_two_bars_per_successful_run(tmp_path):
@@ -145,10 +292,22 @@ def test_peak_memory_sees_a_large_allocation():
     assert float(block[-1, -1, -1]) >= 0
     del block
     assert probe.peak_mib() > 200
+    assert probe.method == "proc_vmhwm_reset" and probe.clamped is False
     probe.start()
     assert probe.peak_mib() < 100  # the high-water mark was reset
     with pytest.raises(ValueError, match="device_type"):
         PeakMemory("tpu")
+
+
+def test_peak_memory_records_the_lifetime_fallback_and_the_clamp(monkeypatch):
+    """Without /proc the probe falls back to the lifetime ru_maxrss and says so; a negative difference
+    is reported as 0 and flagged."""
+    monkeypatch.setattr(memory_module, "_proc_status_kib", lambda field: None)
+    probe = PeakMemory("cpu")
+    probe.start()
+    assert probe.peak_mib() == 0.0 and probe.method == "ru_maxrss_lifetime" and probe.clamped is False
+    probe.baseline_mib += 1e6  # a baseline above the lifetime peak: the difference is negative
+    assert probe.peak_mib() == 0.0 and probe.clamped is True
 
 
 def test_info_reports_versions_and_backend(capsys):

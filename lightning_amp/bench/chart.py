@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-LEVEL_COLOURS = {"fp32": "#7f7f7f", "O0": "#bcbd22", "O1": "#1f77b4", "O2": "#2ca02c", "O3": "#d62728"}
+LEVEL_COLOURS = {"fp32": "#7f7f7f", "O0": "#bcbd22", "O1": "#1f77b4", "O2": "#2ca02c", "O3": "#d62728",
+                 "32-true": "#c7c7c7", "bf16-mixed": "#ff7f0e", "16-mixed": "#ffbb78", "bf16-true": "#8c564b",
+                 "16-true": "#c49c94"}
 
 
 def draw_chart(records: Sequence[dict], path: str, title: str = "lightning-amp bench") -> int:

@@ -1,8 +1,11 @@
 """The benchmark's results as a rich table, a Markdown table and ``bench.json``.
 
-Ratios compare each level with the same model's ``fp32`` run (``O0`` when no fp32 run exists):
-speed-up = baseline step time / step time; memory ratio = peak memory / baseline peak memory;
-loss difference = (final loss - baseline final loss) / |baseline final loss|.
+Each level is compared with the same model's fp32 run (``fp32``, else ``32-true``, else ``O0``) and with
+Lightning's mixed precision run (``bf16-mixed``, else ``16-mixed``), the peer a user already has:
+speed-up = that run's step time / step time; memory ratio = peak memory / that run's peak memory.
+Loss difference = (final loss - fp32 final loss) / |fp32 final loss|; it only says something about
+convergence when the fp32 run has learned (final loss well below the chance loss), and the table marks
+it "(untrained)" otherwise.
 """
 from __future__ import annotations
 
@@ -14,28 +17,42 @@ from typing import Optional, Sequence
 
 from rich.table import Table
 
-BASELINE_LEVELS = ("fp32", "O0")
+BASELINE_LEVELS = ("fp32", "32-true", "O0")
+PEER_LEVELS = ("bf16-mixed", "16-mixed")
 JSON_KEYS = ("model", "level", "dtype", "device", "steps", "step_time_ms", "samples_per_s", "peak_mem_mb",
-             "final_loss", "loss_curve")
+             "peak_mem_method", "final_loss", "chance_loss", "learned", "optimizer", "loss_curve")
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """One record against its model's baseline; ratios are None where no baseline (or no figure) exists."""
+    """One record against its model's fp32 baseline and mixed-precision peer; None where either (or a
+    figure) is missing. ``baseline_learned`` is the baseline's ``learned`` flag (None without one)."""
 
     record: dict
     speedup: Optional[float]
     memory_ratio: Optional[float]
     loss_difference: Optional[float]
+    speedup_vs_mixed: Optional[float] = None
+    memory_vs_mixed: Optional[float] = None
+    baseline_learned: Optional[bool] = None
 
 
-def baseline_for(records: Sequence[dict], model: str) -> Optional[dict]:
-    """The successful fp32 (else O0) record of ``model``, or None."""
-    for level in BASELINE_LEVELS:
+def _first_ok(records: Sequence[dict], model: str, levels: Sequence[str]) -> Optional[dict]:
+    for level in levels:
         for record in records:
             if record["model"] == model and record["level"] == level and not record.get("error"):
                 return record
     return None
+
+
+def baseline_for(records: Sequence[dict], model: str) -> Optional[dict]:
+    """The successful fp32 (else 32-true, else O0) record of ``model``, or None."""
+    return _first_ok(records, model, BASELINE_LEVELS)
+
+
+def peer_for(records: Sequence[dict], model: str) -> Optional[dict]:
+    """The successful bf16-mixed (else 16-mixed) record of ``model``, or None."""
+    return _first_ok(records, model, PEER_LEVELS)
 
 
 def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
@@ -45,38 +62,50 @@ def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional
 
 
 def compare(records: Sequence[dict]) -> list[Comparison]:
-    """Each record with its speed-up, memory ratio and relative loss difference against its baseline."""
+    """Each record with its speed-ups, memory ratios and relative loss difference."""
     comparisons = []
     for record in records:
-        base = baseline_for(records, record["model"])
-        if base is None or record.get("error"):
+        if record.get("error"):
             comparisons.append(Comparison(record, None, None, None))
             continue
+        base, peer = baseline_for(records, record["model"]), peer_for(records, record["model"])
         loss_diff = None
-        if record["final_loss"] is not None and base["final_loss"]:
+        if base is not None and record["final_loss"] is not None and base["final_loss"]:
             loss_diff = (record["final_loss"] - base["final_loss"]) / abs(base["final_loss"])
         comparisons.append(Comparison(
             record,
-            speedup=_ratio(base["step_time_ms"], record["step_time_ms"]),
-            memory_ratio=_ratio(record["peak_mem_mb"], base["peak_mem_mb"]),
+            speedup=_ratio(base and base["step_time_ms"], record["step_time_ms"]),
+            memory_ratio=_ratio(record["peak_mem_mb"], base and base["peak_mem_mb"]),
             loss_difference=loss_diff,
+            speedup_vs_mixed=_ratio(peer and peer["step_time_ms"], record["step_time_ms"]),
+            memory_vs_mixed=_ratio(record["peak_mem_mb"], peer and peer["peak_mem_mb"]),
+            baseline_learned=None if base is None else base.get("learned"),
         ))
     return comparisons
 
 
-HEADERS = ("model", "level", "dtype", "step ms", "samples/s", "speed-up", "peak MiB", "mem ratio", "final loss", "Δ loss")
+HEADERS = ("model", "level", "dtype", "optimizer", "step ms", "samples/s", "speed-up", "vs mixed", "peak MiB",
+           "mem ratio", "mem vs mixed", "final loss", "loss/chance", "Δ loss")
+_LEFT = ("model", "level", "dtype", "optimizer")
+
+
+def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
 
 
 def _cells(c: Comparison) -> tuple[str, ...]:
     r = c.record
     if r.get("error"):
-        return (r["model"], r["level"], "-", "failed", "-", "-", "-", "-", "-", r["error"][:60])
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        return (r["model"], r["level"], "-", "-", "failed") + ("-",) * (len(HEADERS) - 6) + (r["error"][:60],)
+    loss_over_chance = _ratio(r["final_loss"], r.get("chance_loss"))
+    delta = _fmt(None if c.loss_difference is None else 100 * c.loss_difference, "+.2f", "%")
+    if c.loss_difference is not None and not c.baseline_learned:
+        delta += " (untrained)"
     return (
-        r["model"], r["level"], r["dtype"], fmt(r["step_time_ms"], ".1f"), fmt(r["samples_per_s"], ".1f"),
-        fmt(c.speedup, ".2f") + ("x" if c.speedup is not None else ""),
-        fmt(r["peak_mem_mb"], ".0f"), fmt(c.memory_ratio, ".2f"), fmt(r["final_loss"], ".4f"),
-        fmt(None if c.loss_difference is None else 100 * c.loss_difference, "+.2f") + ("%" if c.loss_difference is not None else ""),
+        r["model"], r["level"], r["dtype"], r.get("optimizer", "-"), _fmt(r["step_time_ms"], ".1f"),
+        _fmt(r["samples_per_s"], ".1f"), _fmt(c.speedup, ".2f", "x"), _fmt(c.speedup_vs_mixed, ".2f", "x"),
+        _fmt(r["peak_mem_mb"], ".0f"), _fmt(c.memory_ratio, ".2f"), _fmt(c.memory_vs_mixed, ".2f"),
+        _fmt(r["final_loss"], ".4f"), _fmt(loss_over_chance, ".2f"), delta,
     )
 
 
@@ -84,7 +113,7 @@ def rich_table(records: Sequence[dict], title: str = "lightning-amp bench") -> T
     """A rich Table, one row per record."""
     table = Table(title=title)
     for header in HEADERS:
-        table.add_column(header, justify="left" if header in ("model", "level", "dtype") else "right")
+        table.add_column(header, justify="left" if header in _LEFT else "right")
     for comparison in compare(records):
         table.add_row(*_cells(comparison))
     return table
@@ -92,7 +121,8 @@ def rich_table(records: Sequence[dict], title: str = "lightning-amp bench") -> T
 
 def markdown_table(records: Sequence[dict]) -> str:
     """The same table in Markdown (for docs and the README)."""
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" if i < 3 else "---:" for i in range(len(HEADERS))) + "|"]
+    lines = ["| " + " | ".join(HEADERS) + " |",
+             "|" + "|".join("---" if h in _LEFT else "---:" for h in HEADERS) + "|"]
     for comparison in compare(records):
         lines.append("| " + " | ".join(_cells(comparison)) + " |")
     return "\n".join(lines) + "\n"
@@ -110,7 +140,7 @@ def _strict_json(value):
 
 
 def write_json(records: Sequence[dict], path: str) -> None:
-    """Write the records as a strict JSON list (every record has at least :data:`JSON_KEYS`)."""
+    """Write the records as a strict JSON list (every successful record has at least :data:`JSON_KEYS`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as out:
         json.dump(_strict_json(list(records)), out, indent=1, allow_nan=False)

@@ -17,21 +17,33 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lightning_amp.bench.models import MODELS
-from lightning_amp.bench.worker import RunSpec, failure_record, run_to_file
+from lightning_amp.bench.worker import RunSpec, failure_record, resolve_device, run_to_file
 
 PRELOAD = ["lightning_amp.bench.worker", "torchmetrics", "lightning_amp"]
 RUN_TIMEOUT_S = 1800.0
 
 
-def plan_runs(models: Sequence[str], levels: Sequence[str], dtype: str = "auto", size: str = "small",
-              steps: Optional[int] = None, warmup: int = 2, seed: int = 0, accelerator: str = "auto",
-              threads: Optional[int] = None) -> list[RunSpec]:
-    """The specs in run order (model-major); ``steps=None`` takes each model's default step count."""
-    return [
-        RunSpec(model=m, level=lv, dtype=dtype, size=size, steps=steps or MODELS[m].default_steps,
-                warmup=warmup, seed=seed, accelerator=accelerator, threads=threads)
-        for m in models for lv in levels
-    ]
+#: untimed steps before the window, per device type (cuDNN/cuBLAS heuristics and the allocator settle on GPU)
+DEFAULT_WARMUP = {"cpu": 2, "cuda": 10}
+
+
+def plan_runs(models: Sequence[str], levels: Sequence[str], dtype: str = "auto", size: Optional[str] = None,
+              steps: Optional[int] = None, warmup: Optional[int] = None, seed: int = 0, accelerator: str = "auto",
+              threads: Optional[int] = None, batch_size: Optional[int] = None) -> list[RunSpec]:
+    """The specs in run order (model-major). ``size``, ``steps``, ``batch_size`` and ``warmup`` left as None
+    take each model's defaults for the device ``accelerator`` resolves to (:meth:`BenchModel.defaults`);
+    a ``size`` given without a ``batch_size`` uses the example's own batch for that size."""
+    device_type = resolve_device(accelerator)
+    specs = []
+    for m in models:
+        defaults = MODELS[m].defaults(device_type)
+        specs += [RunSpec(model=m, level=lv, dtype=dtype, size=size or defaults["size"],
+                          steps=steps or defaults["steps"],
+                          warmup=DEFAULT_WARMUP[device_type] if warmup is None else warmup, seed=seed,
+                          accelerator=accelerator, threads=threads,
+                          batch_size=batch_size or (None if size else defaults["batch_size"]))
+                  for lv in levels]
+    return specs
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -76,7 +88,7 @@ def run_matrix(specs: Iterable[RunSpec], console: Optional[Console] = None) -> l
             Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("benchmark", total=len(specs))
         for spec in specs:
-            progress.update(task, description=f"{spec.model:<11} {spec.level:<4} ({spec.size}, {spec.steps} steps)")
+            progress.update(task, description=f"{spec.model:<11} {spec.level:<10} ({spec.size}, {spec.steps} steps)")
             record = run_isolated(spec, workdir, context)
             records.append(record)
             if record.get("error"):
