@@ -180,8 +180,6 @@ def test_transformers_families_tp2_bf16_o2_train(tmp_path):
     _o2_trains(tmp_path, FAMILIES[:-1])
 
 
-@pytest.mark.xfail(strict=True, reason="needs olevels O2 forward fix (fp32 tensors created inside forward meet "
-                                       "bf16 layers: 'mixed dtype (CPU): expect parameter to have scalar type of Float')")
 def test_demo_transformer_tp2_bf16_o2_trains(tmp_path):
     _o2_trains(tmp_path, ("demo",))
 
