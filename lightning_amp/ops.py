@@ -55,14 +55,13 @@ def _load_extension() -> None:
         _EXT = importlib.import_module("lightning_amp._C")
     except ImportError as err:  # the package keeps working without the build, loudly
         built = _built_extension_files()
-        _EXT_ERROR = (f"{os.path.basename(built[0])} is built but failed to load: {err}" if built
-                      else f"not built ({err})")
+        _EXT_ERROR = (f"lightning_amp/{os.path.basename(built[0])} is built but failed to load: {err}" if built
+                      else f"lightning_amp._C is not built ({err})")
         if required:
-            raise ImportError(f"lightning_amp: LIGHTNING_AMP_REQUIRE_EXT=1 but the compiled extension "
-                              f"lightning_amp._C is {_EXT_ERROR}") from err
+            raise ImportError(f"lightning_amp: LIGHTNING_AMP_REQUIRE_EXT=1 but {_EXT_ERROR}") from err
         warnings.warn(
-            f"lightning_amp: compiled extension lightning_amp._C {_EXT_ERROR}; using the pure-PyTorch "
-            "fallback ops. Rebuild with `make install` (or `pip install --no-build-isolation -e .`).",
+            f"lightning_amp: {_EXT_ERROR}; using the pure-PyTorch fallback ops. "
+            "Rebuild with `make install` (or `pip install --no-build-isolation -e .`).",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -131,11 +131,11 @@ def test_built_but_unloadable_extension_is_loud(monkeypatch, capsys):
     monkeypatch.setattr(ops, "_EXT", None)
     monkeypatch.setattr(ops, "_EXT_ERROR", probe.extension_error())
     assert cli.main(["info"]) == 0
-    assert "compiled extension: NOT in use: _C.cpython-311-x86_64-linux-gnu.so is built but failed to load: import " \
-           "of lightning_amp._C halted" in capsys.readouterr().out
+    assert "compiled extension: NOT in use: lightning_amp/_C.cpython-311-x86_64-linux-gnu.so is built but failed to " \
+           "load: import of lightning_amp._C halted" in capsys.readouterr().out
     monkeypatch.setenv("LIGHTNING_AMP_REQUIRE_EXT", "1")
-    with pytest.raises(ImportError, match=r"LIGHTNING_AMP_REQUIRE_EXT=1 but the compiled extension "
-                                          r"lightning_amp\._C is _C\.cpython-311.*built but failed to load"):
+    with pytest.raises(ImportError, match=r"LIGHTNING_AMP_REQUIRE_EXT=1 but lightning_amp/_C\.cpython-311.*\.so "
+                                          r"is built but failed to load: import of lightning_amp\._C halted"):
         _fresh_ops_module("lamp_ops_required_probe")
 
 
@@ -176,7 +176,7 @@ def test_missing_extension_warns_once_and_ops_still_work(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         probe = _fresh_ops_module("lamp_ops_missing_probe")
-    msgs = [str(w.message) for w in caught if "lightning_amp._C not built" in str(w.message)]
+    msgs = [str(w.message) for w in caught if "lightning_amp._C is not built" in str(w.message)]
     assert len(msgs) == 1, msgs
     assert probe.backend("cpu") == "torch" and probe.extension_error()
     x, g, main = torch.ones(4, 3), torch.ones(4, 2), torch.zeros(2, 3)
