@@ -88,5 +88,5 @@ class FusedAdam(FusedOptimizer):
                 adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"],
                 max_exp_avg_sqs=[st["max_exp_avg_sq"] for st in states] if group["amsgrad"] else None,
                 grad_scale=grad_scale(device), found_inf=found_inf(device),
-                model_copies=ps if master else None,
+                model_copies=ps if master else None, checked=self._checked,
             )

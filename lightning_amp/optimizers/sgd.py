@@ -48,5 +48,5 @@ class FusedSGD(FusedOptimizer):
                 ps, grads_of(ps), [self.state[p]["momentum_buffer"] for p in ps] if momentum != 0 else None,
                 lr=group["lr"], momentum=momentum, dampening=group["dampening"],
                 weight_decay=group["weight_decay"], nesterov=group["nesterov"], first_run=first_run,
-                grad_scale=grad_scale(device), found_inf=found_inf(device),
+                grad_scale=grad_scale(device), found_inf=found_inf(device), checked=self._checked,
             )

@@ -1,0 +1,34 @@
+"""The fused optimizers' cached step plan: reused only while the groups and grads allow it."""
+import torch
+
+from lightning_amp.optimizers import FusedAdam, FusedSGD
+
+
+def _pair(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(shape, generator=gen).requires_grad_() for shape in ((9, 4), (4,), (3, 3))]
+    return ps, [p.detach().clone().requires_grad_() for p in ps]
+
+
+def test_cached_plan_follows_grads_and_groups_like_torch():
+    for fused_cls, torch_cls, kwargs in ((FusedAdam, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+                                         (FusedSGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9))):
+        ours, ref = _pair()
+        opt, ref_opt = fused_cls(ours[:2], **kwargs), torch_cls(ref[:2], **kwargs)
+        gen = torch.Generator().manual_seed(1)
+        for i in range(8):
+            if i == 4:  # a new group drops the plan; its params get state on their first step
+                opt.add_param_group({"params": [ours[2]]})
+                ref_opt.add_param_group({"params": [ref[2]]})
+            for j, (p, q) in enumerate(zip(ours, ref)):
+                missing = i == 2 and j == 1  # a param without grad at one step does not move
+                p.grad = None if missing else torch.randn(p.shape, generator=gen)
+                q.grad = None if missing else p.grad.clone()
+            opt.step()
+            ref_opt.step()
+            assert (opt._plan is not None) == (i not in (0, 2, 4)), (fused_cls, i)  # built on full, clean steps
+            for p, q in zip(ours, ref):
+                assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), (fused_cls, i, (p - q).abs().max())
+        before = [p.clone() for p in ours]
+        opt.step(found_inf=torch.ones(()))  # the cached plan honours found_inf
+        assert all(torch.equal(a, b) for a, b in zip(before, ours))
