@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from lightning_amp.bench.worker import device_description
+
 SHAPES = [(2048, 2048, 2048), (4096, 512, 2048)]  # (m, k, n); the second is BERT-small's MLP on 4096 tokens
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
     if not names or any(d not in DTYPES for d in names) or names[0] != "fp32":
         parser.error(f"--dtypes: comma-separated from {','.join(DTYPES)}, starting with fp32 (the reference)")
     torch.backends.cuda.matmul.allow_tf32 = False
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    where = device_description(args.device)
     print(f"bench_matmul, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {where}, "
           f"torch {torch.__version__}")
     print(f"command: python benchmarks/bench_matmul.py {shlex.join(sys.argv[1:] if argv is None else argv)}\n")

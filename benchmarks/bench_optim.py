@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import shlex
 import statistics
 import subprocess
@@ -29,11 +28,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from lightning_amp import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD, ops
+from lightning_amp.bench.worker import device_description
 
 MODES = ("fp32", "bf16", "master")
 LISTS = ("few-large", "many-small")
@@ -104,11 +104,11 @@ def bytes_per_element(op: str, mode: str) -> int:
     raise ValueError(f"op must be one of {OPS}, got {op!r}")
 
 
-def build_cases(kind: str, mode: str, device: str, ops_wanted) -> list[Case]:
+def build_cases(kind: str, mode: str, device: str, ops_wanted) -> Iterator[Case]:
+    """The cases of one list and mode, built one at a time (each holds its own copies of the tensors)."""
     sizes = tensor_sizes(kind, device)
     numel = sum(sizes)
     model_dtype = torch.float32 if mode == "fp32" else torch.bfloat16
-    cases = []
 
     def pair(op, fused_cls, fused_kw, torch_cls, torch_kw):
         if mode == "master" and fused_cls is not FusedAdam:  # only FusedAdam keeps fp32 masters itself
@@ -135,14 +135,14 @@ def build_cases(kind: str, mode: str, device: str, ops_wanted) -> list[Case]:
         return Case(op, mode, ours.step, opt.step, impl, bytes_per_element(op, mode) * numel)
 
     if "adamw" in ops_wanted:
-        cases.append(pair("adamw", FusedAdam, dict(lr=1e-4, weight_decay=0.01), torch.optim.AdamW,
-                          dict(lr=1e-4, weight_decay=0.01)))
+        yield pair("adamw", FusedAdam, dict(lr=1e-4, weight_decay=0.01), torch.optim.AdamW,
+                          dict(lr=1e-4, weight_decay=0.01))
     if "sgd" in ops_wanted:
-        cases.append(pair("sgd", FusedSGD, dict(lr=1e-4, momentum=0.9), torch.optim.SGD, dict(lr=1e-4, momentum=0.9)))
+        yield pair("sgd", FusedSGD, dict(lr=1e-4, momentum=0.9), torch.optim.SGD, dict(lr=1e-4, momentum=0.9))
     if "lamb" in ops_wanted:
-        cases.append(pair("lamb", FusedLAMB, dict(lr=1e-4), None, {}))
+        yield pair("lamb", FusedLAMB, dict(lr=1e-4), None, {})
     if "adadelta" in ops_wanted:
-        cases.append(pair("adadelta", FusedAdadelta, dict(lr=1e-4), torch.optim.Adadelta, dict(lr=1e-4)))
+        yield pair("adadelta", FusedAdadelta, dict(lr=1e-4), torch.optim.Adadelta, dict(lr=1e-4))
     grads = _make(sizes, model_dtype, device, 2)
     if "scale" in ops_wanted and mode != "master":
         out = [torch.empty_like(g, dtype=torch.float32) for g in grads]
@@ -151,13 +151,12 @@ def build_cases(kind: str, mode: str, device: str, ops_wanted) -> list[Case]:
             torch._foreach_copy_(out, grads)
             torch._foreach_mul_(out, 1 / 1024)
             torch.stack(torch._foreach_norm(out, float("inf"))).isfinite().all()
-        cases.append(Case("scale", mode, lambda: ops.multi_tensor_scale(grads, out, 1 / 1024), torch_scale,
-                          "foreach copy+mul+inf-norm", bytes_per_element("scale", mode) * numel))
+        yield Case("scale", mode, lambda: ops.multi_tensor_scale(grads, out, 1 / 1024), torch_scale,
+                          "foreach copy+mul+inf-norm", bytes_per_element("scale", mode) * numel)
     if "l2norm" in ops_wanted and mode != "master":
-        cases.append(Case("l2norm", mode, lambda: ops.multi_tensor_l2norm(grads),
+        yield Case("l2norm", mode, lambda: ops.multi_tensor_l2norm(grads),
                           lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
-                          "foreach norm", bytes_per_element("l2norm", mode) * numel))
-    return [c for c in cases if c is not None]
+                          "foreach norm", bytes_per_element("l2norm", mode) * numel)
 
 
 def measure(fn: Callable[[], None], device: str, repeats: int, inner: int) -> float:
@@ -210,8 +209,7 @@ def main(argv=None) -> int:
         parser.error("--device cuda but torch sees no CUDA device")
     repeats = args.repeats or (20 if args.device == "cuda" else 5)
     inner = args.inner or (10 if args.device == "cuda" else 1)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else (
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    device_name = device_description(args.device)
     print(f"bench_optim, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, "
           f"torch {torch.__version__}, backend {ops.backend(args.device)}, commit {_commit()}")
     print(f"command: python benchmarks/bench_optim.py {shlex.join(sys.argv[1:] if argv is None else argv)}\n")
@@ -220,7 +218,7 @@ def main(argv=None) -> int:
     rows = []
     for kind in args.lists:
         for mode in args.modes:
-            for case in build_cases(kind, mode, args.device, args.ops):
+            for case in filter(None, build_cases(kind, mode, args.device, args.ops)):
                 ours = measure(case.ours, args.device, 1, 1)  # warm-up (state allocation, kernels)
                 theirs = measure(case.theirs, args.device, 1, 1) if case.theirs else None
                 ours_s, theirs_s = [], []

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                             + ", ".join(f"{m.name} {m.gpu_batch}" for m in MODELS.values()) + ")")
     bench.add_argument("--seed", type=int, default=0, help="weights and data seed, the same for every level (default: 0)")
     bench.add_argument("--threads", type=_int_at_least(1), default=None,
-                       help="torch CPU threads per run (default: torch's default, one per core)")
+                       help="torch CPU threads per run (default: 1 on cpu, robust on a shared machine; "
+                            "torch's default on cuda)")
     bench.add_argument("--out", default="bench-out", help="output folder for bench.json/png/md (default: bench-out)")
     bench.add_argument("--quick", action="store_true", help="a smoke run: tiny models, 1 warm-up + 3 timed steps")
 

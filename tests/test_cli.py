@@ -255,7 +255,7 @@ def test_chance_loss_of_the_best_constant_prediction():
 def test_plan_runs_picks_device_sized_defaults(monkeypatch):
     cpu = {s.model: s for s in runner.plan_runs(["bert", "unet"], ["fp32"], accelerator="cpu")}
     assert cpu["bert"].size == "tiny" and cpu["bert"].batch_size is None and cpu["bert"].steps == 150
-    assert cpu["bert"].warmup == 2
+    assert cpu["bert"].warmup == 2 and cpu["bert"].threads == 1
     monkeypatch.setattr(runner, "resolve_device", lambda accelerator: "cuda")
     gpu = {s.model: s for s in runner.plan_runs(["bert", "unet"], ["fp32", "bf16-mixed"])}
     assert (gpu["bert"].size, gpu["bert"].batch_size, gpu["bert"].steps, gpu["bert"].warmup) == ("base", 256, 300, 10)

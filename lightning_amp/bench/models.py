@@ -44,7 +44,7 @@ class BenchModel:
 
 MODELS = {
     "feedforward": BenchModel("feedforward", "feedforward_rossmann.py", cpu_steps=60, gpu_steps=300, gpu_batch=32768),
-    "unet": BenchModel("unet", "unet_segmentation.py", cpu_steps=40, gpu_steps=200, gpu_batch=64),
+    "unet": BenchModel("unet", "unet_segmentation.py", cpu_steps=150, gpu_steps=200, gpu_batch=64),
     "bert": BenchModel("bert", "bert_sentiment.py", cpu_steps=150, gpu_steps=300, gpu_batch=256),
 }
 SIZES = ("tiny", "small", "base")

@@ -25,6 +25,9 @@ RUN_TIMEOUT_S = 1800.0
 
 #: untimed steps before the window, per device type (cuDNN/cuBLAS heuristics and the allocator settle on GPU)
 DEFAULT_WARMUP = {"cpu": 2, "cuda": 10}
+#: torch CPU threads per run when none are asked for: on CPU 1, because a run with one thread per core
+#: slows down 10-15x whenever another process takes a core (measured on a shared 2-core machine)
+DEFAULT_THREADS = {"cpu": 1, "cuda": None}
 
 
 def plan_runs(models: Sequence[str], levels: Sequence[str], dtype: str = "auto", size: Optional[str] = None,
@@ -32,7 +35,8 @@ def plan_runs(models: Sequence[str], levels: Sequence[str], dtype: str = "auto",
               threads: Optional[int] = None, batch_size: Optional[int] = None) -> list[RunSpec]:
     """The specs in run order (model-major). ``size``, ``steps``, ``batch_size`` and ``warmup`` left as None
     take each model's defaults for the device ``accelerator`` resolves to (:meth:`BenchModel.defaults`);
-    a ``size`` given without a ``batch_size`` uses the example's own batch for that size."""
+    a ``size`` given without a ``batch_size`` uses the example's own batch for that size; ``threads=None``
+    takes :data:`DEFAULT_THREADS`."""
     device_type = resolve_device(accelerator)
     specs = []
     for m in models:
@@ -40,7 +44,7 @@ def plan_runs(models: Sequence[str], levels: Sequence[str], dtype: str = "auto",
         specs += [RunSpec(model=m, level=lv, dtype=dtype, size=size or defaults["size"],
                           steps=steps or defaults["steps"],
                           warmup=DEFAULT_WARMUP[device_type] if warmup is None else warmup, seed=seed,
-                          accelerator=accelerator, threads=threads,
+                          accelerator=accelerator, threads=threads or DEFAULT_THREADS[device_type],
                           batch_size=batch_size or (None if size else defaults["batch_size"]))
                   for lv in levels]
     return specs
