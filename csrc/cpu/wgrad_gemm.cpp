@@ -9,9 +9,9 @@
 // * "aten": blocks of K (tokens) rows of both operands are upcast to fp32 (temporaries of a
 //   few MiB, never the full product) and accumulated with addmm_ (sgemm, beta = 1).
 // "auto" (default) takes "mkl" when the CPU has the matching AMX tile unit (AMX-BF16 /
-// AMX-FP16), where it is several times faster than fp32; without AMX, MKL's 16-bit GEMM was
-// measured ~1.7x SLOWER than the "aten" path (AVX-512 machine without AMX, 4096x1024x4096),
-// so "aten" is used there.
+// AMX-FP16); without AMX, MKL's 16-bit GEMM took 1.12-1.69x the time of the "aten" path on
+// three transformer shapes (benchmarks/bench_wgrad.py, 2026-11-22, Intel Xeon with AVX-512-BF16
+// and no AMX; table in benchmarks/RESULTS.md), so "aten" is used there.
 //
 // MKL's LP64 interface takes 32-bit ints: m, n and the leading dimensions must fit, and the
 // K (token) dimension is split into chunks that keep every operand slice below 2^31 elements.
