@@ -133,12 +133,14 @@ def state_diff(got: dict, ref: dict, prefix: str) -> float:
 
 def test_families_tp2_match_single_device_checkpoints_and_resume(tmp_path):
     ref, _ = fit(tmp_path / "single", "auto", 1)
-    tp2, _ = fit(tmp_path / "tp2", TensorParallelStrategy(start_method="spawn"), 2)
+    tp2, returned = fit(tmp_path / "tp2", TensorParallelStrategy(start_method="spawn"), 2)
     ref_state = torch.load(tmp_path / "single" / "final.ckpt", weights_only=False)["state_dict"]
     tp_state = torch.load(tmp_path / "tp2" / "final.ckpt", weights_only=False)["state_dict"]
     assert set(tp_state) == set(ref_state)  # the original key layout (Conv1D, in_proj, head attrs untouched)
     plain = Zoo()
     plain.load_state_dict(tp_state)  # strict: loads into the unconverted model
+    # the spawn launcher gathers the weights after teardown and loads them into the caller's (plain) module
+    assert all(torch.equal(v, tp_state[k]) for k, v in returned.state_dict().items())
     report = {}
     for name in ref:
         assert len(tp2[name]) == len(ref[name]) == STEPS

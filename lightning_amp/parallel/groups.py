@@ -43,19 +43,6 @@ class ParallelGroups:
     dp_size: int
     dp_rank: int
 
-    def destroy(self) -> None:
-        """Destroy the TP and DP groups this rank belongs to (after every collective on them has finished).
-
-        A gloo group left alive until interpreter exit is torn down during finalization, where its
-        worker threads can abort the process ("terminate called without an active exception").
-        """
-        if not dist.is_initialized():
-            return
-        for group in {id(g): g for g in (self.tp_group, self.dp_group) if g is not None}.values():
-            if group is not dist.GroupMember.NON_GROUP_MEMBER and group is not dist.group.WORLD:
-                dist.destroy_process_group(group)
-        self.tp_group = self.dp_group = None
-
     @property
     def tp_src_global_rank(self) -> int:
         """The global rank of TP rank 0 of this rank's TP group."""

@@ -48,7 +48,6 @@ class Plan:
     """A validated plan: the units to convert and, per layer path, its kind."""
 
     units: list[Unit]
-    tp: int
     decisions: dict[str, str] = field(default_factory=dict)
 
 
@@ -155,7 +154,7 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
             "BERT/GPT-2/Llama-style attention or MLP, or nn.Sequential Linear pairs found); every rank would train the "
             "whole model. Pass plan={'glob.of.names': 'column'|'row'} to choose layers, or "
             "TensorParallelStrategy(allow_replicated=True) to train replicated on purpose.")
-    result = Plan(units, tp)
+    result = Plan(units)
     for unit in units:
         result.decisions.update(_unit_kinds(unit))
     return result

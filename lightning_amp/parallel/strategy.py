@@ -139,7 +139,8 @@ class TensorParallelStrategy(DDPStrategy):
         if dist.is_initialized() and dist.get_backend() != "nccl":  # Lightning registers this for nccl only
             atexit.unregister(_destroy_dist_connection)
             atexit.register(_destroy_dist_connection)
-        self.groups = build_groups(self.tensor_parallel_size)
+        if self.groups is None:  # converted layers keep using these groups in later fit/validate calls
+            self.groups = build_groups(self.tensor_parallel_size)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -371,14 +372,13 @@ class TensorParallelStrategy(DDPStrategy):
             _optimizer_to_device(optimizer, self.root_device)
 
     def teardown(self) -> None:
-        """Wait for in-flight gradient all-reduces, detach the buffer's hooks and destroy the TP/DP groups
-        (``setup_distributed`` builds them again for a later fit/validate in the same process)."""
+        """Wait for in-flight gradient all-reduces and detach the buffer's hooks. The TP/DP groups stay: the
+        converted layers use them after ``fit`` (the spawn launcher gathers the weights after teardown, a
+        later ``validate`` reuses them); every group is destroyed before the process exits (see the launcher
+        and the ``atexit`` handler registered in :meth:`setup_distributed`)."""
         if self.grad_buffer is not None:
             self.grad_buffer.remove_hooks()
             self.grad_buffer = None
-        if self.groups is not None:
-            self.groups.destroy()
-            self.groups = None
         super().teardown()
 
     @classmethod
@@ -410,8 +410,8 @@ class _GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
     """
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
-        _destroy_dist_connection()  # after a failure the process dies anyway; destroying could block
+        super()._wrapping_function(*args, **kwargs)  # fit, teardown, then the gather of the weights
+        _destroy_dist_connection()  # every group; after a failure the process dies anyway, destroying could block
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         module = trainer.lightning_module
