@@ -269,7 +269,7 @@ class AmpPrecision(Precision):
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
             return None
-        state.gate.poll(wait=True)  # the previous step's deferred scheduler calls set the lr read below
+        state.gate.settle_deferred()  # deferred scheduler calls set the lr read below
         factor = state.grad_factor
         in_kernel = (unscales_in_step(optimizer) and state.driver == "protocol" and factor is not None
                      and not (isinstance(factor, float) and factor == 1.0) and not self._clipping_requested(model))

@@ -324,6 +324,23 @@ def test_scheduler_step_is_deferred_until_the_flag_lands():
     assert opt.param_groups[0]["lr"] == 0.25
 
 
+def test_settle_deferred_waits_only_for_deferred_scheduler_calls():
+    """Before a step the gate waits only when a deferred scheduler call needs the flag (its lr is read
+    by the step's kernels); otherwise the host keeps running ahead of the device."""
+    param = nn.Parameter(torch.randn(3))
+    opt = torch.optim.SGD([param], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    precision_module.make_scheduler_skip_aware(sched)
+    gate = _LateGate(on_skip=lambda: None)
+    gate.attach(opt)
+    gate.record(torch.tensor(0.0))
+    gate.settle_deferred()
+    assert gate.last_step_skipped() is None  # no scheduler call waiting: nothing was waited for
+    sched.step()
+    gate.settle_deferred()
+    assert gate.last_step_skipped() is False and opt.param_groups[0]["lr"] == 0.5
+
+
 # ---------------------------------------------------------------------------------------
 # clipping after unscaling, also with optimizers that unscale in their kernel
 # ---------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ buffers only once their copy has landed (``event.query()``, never a wait) unless
 Skip-aware LR schedulers (:func:`make_scheduler_skip_aware`) decide from this flag:
 ``scheduler.step()`` right after optimizer step *t* takes effect iff step *t* was not skipped.
 When the flag of step *t* is not on the host yet, the call is deferred and run (or dropped) as
-soon as it is: the owner settles the gate (``poll(wait=True)``) before the optimizer's next
+soon as it is: the owner settles the gate (``settle_deferred()``) before the optimizer's next
 step, whose kernels read the ``lr`` the scheduler writes, and ``state_dict()`` /
 ``get_last_lr()`` of a skip-aware scheduler settle it first. On CPU the copy is immediate, so
 every decision is taken at once. A scheduler whose optimizer has no gate steps as usual.
@@ -78,6 +78,12 @@ class StepGate:
             if not self.last_skipped:
                 for fn in due:
                     fn()
+
+    def settle_deferred(self) -> None:
+        """Before the next optimizer step: wait for the flags that deferred scheduler calls depend on
+        (their ``lr`` must be written before the step's kernels read it); without any, only poll, so
+        the host keeps running ahead of the device."""
+        self.poll(wait=bool(self._deferred))
 
     def last_step_skipped(self) -> Optional[bool]:
         """Whether the newest recorded step was skipped; None while its flag is still on the way."""
