@@ -308,13 +308,18 @@ class _LateGate(StepGate):
             super().poll(wait=True)
 
 
-def test_scheduler_step_is_deferred_until_the_flag_lands():
-    param = nn.Parameter(torch.randn(3))
-    opt = torch.optim.SGD([param], lr=1.0)
+def _skip_aware_sgd_with_late_gate():
+    """SGD at lr 1.0, a skip-aware StepLR halving it per step, and a :class:`_LateGate` attached."""
+    opt = torch.optim.SGD([nn.Parameter(torch.randn(3))], lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     precision_module.make_scheduler_skip_aware(sched)
     gate = _LateGate(on_skip=lambda: None)
     gate.attach(opt)
+    return opt, sched, gate
+
+
+def test_scheduler_step_is_deferred_until_the_flag_lands():
+    opt, sched, gate = _skip_aware_sgd_with_late_gate()
     for flag in (0.0, 1.0, 0.0):
         opt.step()
         gate.record(torch.tensor(flag))
@@ -327,12 +332,7 @@ def test_scheduler_step_is_deferred_until_the_flag_lands():
 def test_settle_deferred_waits_only_for_deferred_scheduler_calls():
     """Before a step the gate waits only when a deferred scheduler call needs the flag (its lr is read
     by the step's kernels); otherwise the host keeps running ahead of the device."""
-    param = nn.Parameter(torch.randn(3))
-    opt = torch.optim.SGD([param], lr=1.0)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    precision_module.make_scheduler_skip_aware(sched)
-    gate = _LateGate(on_skip=lambda: None)
-    gate.attach(opt)
+    opt, sched, gate = _skip_aware_sgd_with_late_gate()
     gate.record(torch.tensor(0.0))
     gate.settle_deferred()
     assert gate.last_step_skipped() is None  # no scheduler call waiting: nothing was waited for

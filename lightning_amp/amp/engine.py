@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp.amp.levels import AmpProperties
-from lightning_amp.amp.master import MasterParams, load_masters, masters_into_state_dict
+from lightning_amp.amp.master import MasterParams, load_masters, masters_into_state_dict, param_name
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.amp.step import OptimizerStep, all_reduce_master_grads
 
@@ -143,13 +143,12 @@ class AmpEngine:
                     )
                     return
 
-
     def _new_state(self, optimizer: torch.optim.Optimizer, scaler: LossScaler, masters: Optional[MasterParams],
                    combine_grad: bool) -> OptimizerStep:
         return OptimizerStep(optimizer, scaler, masters, combine_grad, self.fused_update, on_skip=self._on_skip)
 
     def state_of(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a Lightningtorch.optim.Optimizer wraps the real one
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
         for state in self._states:
             if state.optimizer is optimizer:
                 return state
@@ -159,7 +158,6 @@ class AmpEngine:
         state = self._new_state(optimizer, self._scalers[-1], None, False)
         self._states.append(state)
         return state
-
 
     def backward_scale(self) -> Union[float, Tensor]:
         """The scale of the next backward: a float when static, else the device tensor (no host read)."""
@@ -179,7 +177,6 @@ class AmpEngine:
             state.rebase(scale, shared=len(candidates) > 1)
         return scale
 
-
     def move_grads_to_masters(self, synced: bool = True, group: Any = None) -> None:
         """After a backward: half grads into the fp32 master grads. ``synced=False`` (a DDP ``no_sync``
         backward): those grads are local; they are averaged over ``group`` after the next synced one."""
@@ -194,10 +191,9 @@ class AmpEngine:
         if not synced:
             self._local_master_grads = True
 
-
     def _on_skip(self, state: OptimizerStep) -> None:
         """A skipped step reached the host: name the params, log, warn every OVERFLOW_WARN_AFTER in a row."""
-        names = [self.param_names.get(p, [f"<unnamed {tuple(p.shape)}>"])[0] for p in state.nonfinite_params()]
+        names = [param_name(self.param_names, p) for p in state.nonfinite_params()]
         self.last_nonfinite_params = names
         index = self._states.index(state)
         in_a_row = state.scaler.overflows_in_a_row
@@ -209,7 +205,6 @@ class AmpEngine:
                 f"lightning_amp: {in_a_row} optimizer steps in a row skipped for non-finite gradients "
                 f"(optimizer {index}, loss scale {state.scaler.scale}); non-finite grads in: {shown or 'another rank'}"
             )
-
 
     def load_scaler_states(self, state_dict: Dict[str, Any]) -> None:
         saved = state_dict["loss_scalers"]
@@ -223,7 +218,6 @@ class AmpEngine:
         for state, skipped in zip(self._states, state_dict.get("skipped_per_optimizer", [])):
             state.skipped = int(skipped)
         self._skipped_before -= sum(s.skipped for s in self._states)  # the rest: optimizers not here now
-
 
     def report_masters(self, mismatched: List[str], verb: str) -> None:
         if not mismatched:

@@ -218,6 +218,11 @@ class MasterParams:
             param.grad = None
 
 
+def param_name(names: Dict[Tensor, List[str]], param: Tensor) -> str:
+    """The first of ``param``'s names in ``names``, or a placeholder naming its shape."""
+    return names.get(param, [f"<unnamed {tuple(param.shape)}>"])[0]
+
+
 def _sharded(param: Tensor) -> bool:
     """Tensor-parallel shards: their checkpoint entries are the gathered full tensors (the strategy
     saves and loads those masters itself)."""
@@ -240,7 +245,7 @@ def masters_into_state_dict(pairs: Sequence[Tuple[Tensor, Tensor]], names: Dict[
                 model_state[name] = master.detach().clone()
                 found = True
         if not found and not _sharded(half):
-            mismatched += names.get(half, [f"<unnamed {tuple(half.shape)}>"])[:1]
+            mismatched.append(param_name(names, half))
     return mismatched
 
 
@@ -258,6 +263,6 @@ def load_masters(masters: "MasterParams", names: Dict[Tensor, List[str]], model_
                 break
         else:
             if not _sharded(half):
-                mismatched += names.get(half, [f"<unnamed {tuple(half.shape)}>"])[:1]
+                mismatched.append(param_name(names, half))
     masters.load_masters_(values)
     return mismatched
