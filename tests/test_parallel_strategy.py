@@ -179,6 +179,8 @@ def test_bad_sizes_and_arguments():
         TensorParallelStrategy(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="must be one of"):
         TensorParallelStrategy(plan={"a.*": "diagonal"})
+    with pytest.raises(TypeError, match="allow_replicated must be a bool"):
+        TensorParallelStrategy(allow_replicated="yes")
     trainer_strategy = TensorParallelStrategy(tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the world size 2"):
         pl.Trainer(accelerator="cpu", devices=2, strategy=trainer_strategy, logger=False).fit(

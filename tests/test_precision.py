@@ -103,6 +103,8 @@ def _fit(model, plugin, steps=4, data=None, **kwargs):
         (dict(hysteresis=0), "hysteresis"),
         (dict(opt_level="O1", master_weights=True), "master_weights"),
         (dict(combine_grad="yes"), "combine_grad"),
+        (dict(fused_update=1), "fused_update"),
+        (dict(allow_missing_masters="no"), "allow_missing_masters"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(kwargs, name):
