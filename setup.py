@@ -37,11 +37,13 @@ def _cpu_vector_flags():
             words = set(f.read().split())
     except OSError:
         return []
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= words:
-        isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+    # ATen's Vectorized<Half>/<BFloat16> convert through F16C intrinsics in both vector paths (as
+    # ATen's own AVX2/AVX512 kernels are built with -mf16c): without the flag GCC refuses to inline them.
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= words:
+        isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
         return isa + ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if {"avx2", "fma"} <= words:
-        return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    if {"avx2", "fma", "f16c"} <= words:
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return []
 
 
