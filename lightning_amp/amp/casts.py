@@ -27,11 +27,13 @@ did; bf16 contexts and code outside any context are unaffected. Registering the 
 explicitly (e.g. ``register_float_function(torch.nn.functional, "binary_cross_entropy")``)
 replaces the refusal with that policy, like apex's ``allow_banned``.
 
-RNNs without a half kernel: inside a float16 context on the CPU, the fused RNN functions that
-``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` call (``torch._VF.lstm``, ``gru``, ``rnn_tanh``,
-``rnn_relu``) run in float32 (autocast off): oneDNN has no fp16 RNN, and autocast would send
-them there. Elsewhere (bf16 on the CPU, CUDA) autocast handles them as usual. An explicit
-registration of one of these functions replaces this default.
+RNNs without a half kernel: inside a CPU context whose dtype oneDNN has no RNN kernel for, the
+fused RNN functions that ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` call (``torch._VF.lstm``, ``gru``,
+``rnn_tanh``, ``rnn_relu``) run in float32 (autocast off), where autocast would send them to
+oneDNN and fail ("could not create a primitive descriptor"): float16 always; bfloat16 on CPUs
+without oneDNN's bf16 RNN (no AVX-512 BF16 / AMX, e.g. AVX2-only machines; probed once per
+process with a one-element LSTM). Elsewhere (bf16 on a capable CPU, CUDA) autocast handles them
+as usual. An explicit registration of one of these functions replaces this default.
 """
 from __future__ import annotations
 
@@ -122,6 +124,20 @@ def _target_cast(policy: str, dtype: torch.dtype, args: tuple, kwargs: dict) -> 
     return lambda t: t.to(widest)
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_has_bf16_rnn() -> bool:
+    """Whether this CPU runs a bfloat16 LSTM under autocast (oneDNN needs AVX-512 BF16 or AMX):
+    probed once with a one-element LSTM, through the unpatched function."""
+    weights = [torch.ones(4, 1), torch.ones(4, 1), torch.ones(4), torch.ones(4)]
+    state = (torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            torch._C._VariableFunctions.lstm(torch.ones(1, 1, 1), state, weights, True, 1, 0.0, False, False, False)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _run_with_policy(fn: Callable, policy: str, args: tuple, kwargs: dict) -> Any:
     active = active_cast()
     if active is None:
@@ -132,7 +148,7 @@ def _run_with_policy(fn: Callable, policy: str, args: tuple, kwargs: dict) -> An
             raise UnsafeHalfOpError(_BCE_MESSAGE)
         return fn(*args, **kwargs)
     if policy == _FLOAT_IF_CPU_FP16:
-        if not (dtype == torch.float16 and device_type == "cpu"):
+        if device_type != "cpu" or (dtype == torch.bfloat16 and cpu_has_bf16_rnn()):
             return fn(*args, **kwargs)
         policy = FLOAT
     cast = _target_cast(policy, dtype, args, kwargs)
