@@ -62,6 +62,8 @@ class Net(L.LightningModule):
             return torch.optim.AdamW(self.head.parameters(), lr=1e-2)
         if self.opt == "head-only":
             return torch.optim.SGD(self.head.parameters(), lr=0.5)
+        if self.opt == "head-only-adamw":
+            return torch.optim.AdamW(self.head.parameters(), lr=1e-2)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
@@ -111,7 +113,8 @@ class _AddGroup(L.Callback):
 
     def on_train_epoch_start(self, trainer, pl_module):
         if trainer.current_epoch == 1:
-            trainer.optimizers[0].add_param_group({"params": list(pl_module.backbone.parameters()), "lr": 0.5})
+            optimizer = trainer.optimizers[0]
+            optimizer.add_param_group({"params": list(pl_module.backbone.parameters()), "lr": optimizer.defaults["lr"]})
 
 
 class _Norms(L.Callback):
@@ -184,6 +187,7 @@ ROWS = {
     "backbone_finetuning": lambda: (Net(opt="finetune"), [BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
                                     lambda m, t: None),
     "add_param_group": lambda: (Net(opt="head-only"), [_AddGroup()], lambda m, t: None),
+    "add_param_group_adamw": lambda: (Net(opt="head-only-adamw"), [_AddGroup()], lambda m, t: None),
     "grad_norm": lambda: (Net(), [_Norms()], lambda m, t: m.norms),
     "toggle_optimizer": lambda: (_GAN(), [], lambda m, t: m.leaks),
     "manual_clip": lambda: (_ManualClip(), [], lambda m, t: None),
@@ -230,15 +234,16 @@ def test_grad_norm_and_p_grad_in_on_before_optimizer_step(level):
 
 
 def test_add_param_group_fp16_dynamic_scale_trains_like_32_true():
-    """fp16 O2 (dynamic loss scale): a group added mid-training gets fp32 params and unscaled grads.
-    Former O2: the new group's half params were stepped with scaled grads (moved 123.8 vs 0.23)."""
-    model, callbacks, _ = ROWS["add_param_group"]()
+    """fp16 O2 (dynamic loss scale), torch AdamW: a group added mid-training gets fp32 params like the rest.
+    Former O2: the new group's fp16 params were stepped directly, AdamW's eps=1e-8 is 0 in fp16 and the
+    update blew up (moved 123.8 vs 0.23)."""
+    model, callbacks, _ = ROWS["add_param_group_adamw"]()
     trainer = L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks,
                         plugins=[AmpPrecision("O2", dtype="float16", init_scale=2.0**12)])
     start = _weights(model)
     trainer.fit(model, _data())
-    reference, ref_start, _ = _reference("add_param_group", "32-true")
+    reference, ref_start, _ = _reference("add_param_group_adamw", "32-true")
     assert all(torch.equal(start[k], ref_start[k]) for k in start)
     _assert_moved_like(_weights(model), reference, start, tol=0.05)
 
