@@ -265,3 +265,22 @@ def test_swa_checkpoint_holds_the_averaged_weights(level, tmp_path):
                          start)
     ours, start = results["ours"]
     _assert_moved_like(ours, results["reference"][0], start, half_weights=level == "O3")
+
+
+def test_ddp_spawn_hands_back_the_fp32_params():
+    """``ddp_spawn`` (2 processes, gloo, the same batches on both ranks): the launching process gets rank
+    0's weights back, fp32 and equal to a 1-process O2 run (identical grads average to themselves).
+    Former O2: it got the bf16-rounded module params, not the fp32 masters."""
+    def run(**kwargs):
+        model = Net()
+        trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False,
+                            plugins=[AmpPrecision("O2", dtype="bfloat16")], **kwargs)
+        trainer.fit(model, _data())
+        return _weights(model)
+
+    single = run()
+    spawned = run(strategy="ddp_spawn", devices=2, use_distributed_sampler=False)
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in spawned.values())  # not bf16 values
+    for key, value in single.items():
+        assert torch.allclose(spawned[key], value, rtol=1e-6, atol=1e-7), key
