@@ -6,7 +6,6 @@ compute in half; O3: ``bf16-true``). The checks are behavioural: how far each we
 ``TOL`` of the reference's movement, far below the effect each test names), the grads a callback reads,
 and the checkpoint's contents. Models are tiny, a few steps each.
 """
-import copy
 import functools
 import logging
 import warnings
