@@ -1,12 +1,13 @@
 """AmpPrecision and AmpO0Plugin..AmpO3Plugin: the thin Lightning adapter over ``lightning_amp.amp``.
 
-Hook order: ``convert_module`` (cast the model in place) -> ``connect`` (the
-:class:`~lightning_amp.amp.engine.AmpEngine`: fp32 masters, one LossScaler and one
+Hook order: ``convert_module`` (cast the model in place; under master weights (O2) the params stay
+fp32 and only buffers become half, :mod:`lightning_amp.amp.half_params`) -> ``connect`` (the
+:class:`~lightning_amp.amp.engine.AmpEngine`: one LossScaler and one
 :class:`~lightning_amp.amp.step.OptimizerStep` per optimizer; step-interval LR schedulers made
-skip-aware) -> per step ``convert_input``, ``forward_context``, ``pre_backward`` (loss * scale),
-``post_backward`` (O2: half grads added into the fp32 master grads), ``optimizer_step``.
+skip-aware) -> per step ``convert_input``, ``forward_context`` (O2: half copies of the params),
+``pre_backward`` (loss * scale), ``optimizer_step``.
 
-``optimizer_step``: run the closure, unscale (into the masters under O2) or, for optimizers that
+``optimizer_step``: run the closure, unscale or, for optimizers that
 unscale in their kernel (``_step_supports_amp_scaling``) when no clipping is requested, only check
 (``on_before_optimizer_step`` then sees scaled grads, as with GradScaler); agree on ``found_inf``
 across ranks (an all-reduce MAX of the device flag), ``_after_closure`` (hooks, clipping), then
@@ -18,8 +19,10 @@ the way with plain torch Adam/AdamW/SGD or protocol optimizers (see :mod:`lightn
 for the drivers and the one host read of the first step). Non-finite grads are skipped at every
 level and scale, static 1.0 and bf16 included.
 
-Under O2 the grads live on the fp32 masters once a backward has finished (``on_after_backward``
-still sees the half ``.grad``): inspect them through :func:`main_params`. Several optimizers
+Under O2 the optimizer holds the module's own fp32 Parameters and their grads are fp32 (the
+half copies forward used hand their grads back through autograd's cast), so ``p.grad``,
+``grad_norm`` and clipping see what the optimizer steps on, unscaled in
+``on_before_optimizer_step`` as with Lightning's ``16-mixed``. Several optimizers
 (manual optimization): each has its own scaler (see the engine for the shared backward scale).
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.gate import make_scheduler_skip_aware
+from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
 from lightning_amp.amp.levels import AmpProperties, resolve_properties
 from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
@@ -52,7 +56,8 @@ _STATE_VERSION = 1
 
 
 def main_params(optimizer: Optimizer) -> Generator[Tensor, None, None]:
-    """The params ``optimizer`` steps on: the fp32 masters under O2 (what clipping must see)."""
+    """The params ``optimizer`` steps on (the module's own params at every level; kept for callers
+    of the former design, where O2's optimizer held private masters)."""
     yield from optimizer_params(optimizer)
 
 
@@ -67,8 +72,8 @@ class AmpPrecision(Precision):
     """Apex-style mixed precision (opt levels O0-O3) as a Lightning precision plugin.
 
     Args:
-        opt_level: "O0" (fp32), "O1" (autocast + cast lists), "O2" (half model, fp32 BatchNorm,
-            fp32 master weights), "O3" (pure half).
+        opt_level: "O0" (fp32), "O1" (autocast + cast lists), "O2" (fp32 params seen as half copies
+            in forward, half buffers, fp32 BatchNorm, fp32 grads and update), "O3" (pure half).
         dtype: "float16", "bfloat16", a torch dtype, or "auto" (bfloat16 on CPU and on CUDA
             devices that support it, else float16).
         loss_scale: a positive static scale or "dynamic"; None is the level's default (1.0 with
@@ -77,17 +82,13 @@ class AmpPrecision(Precision):
             defaults (None keeps them); contradictions raise ValueError.
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
         min_loss_scale, max_loss_scale: the dynamic :class:`~lightning_amp.amp.scaler.LossScaler`.
-        combine_grad: the grads of the params each optimizer steps on (the fp32 masters under O2)
-            live as views in one flat buffer per (device, dtype)
-            (:class:`~lightning_amp.amp.flat.FlatGradBuffer`); unscaling is one call per buffer.
+        combine_grad: the grads of the params each optimizer steps on live as views in one flat
+            buffer per (device, dtype) (:class:`~lightning_amp.amp.flat.FlatGradBuffer`); unscaling is one call per buffer.
         fused_update: a plain ``torch.optim.Adam``/``AdamW``/``SGD`` is stepped by lightning_amp's
-            fused kernels (unscaled grads, skip decided on the device, under O2 the master update
-            and the half copy in one pass; :mod:`lightning_amp.amp.kernel_step` says which group
+            fused kernels (unscaled grads, skip decided on the device, one pass over params and
+            state; :mod:`lightning_amp.amp.kernel_step` says which group
             options qualify). False: the optimizer's own ``step()`` runs, and the skip is decided
             on the host.
-        allow_missing_masters: under master weights, a param whose checkpoint entry is missing or
-            has another shape raises ValueError on save and on load (naming the params); True
-            keeps the current master instead, with a warning naming them.
 
     Properties: ``loss_scale`` (current scale of the first optimizer), ``loss_scales`` (all),
     ``skipped_steps`` (optimizer steps skipped for non-finite grads), ``properties``.
@@ -110,13 +111,11 @@ class AmpPrecision(Precision):
         max_loss_scale: float = 2.0**24,
         combine_grad: bool = False,
         fused_update: bool = True,
-        allow_missing_masters: bool = False,
     ) -> None:
-        for name, value in (("combine_grad", combine_grad), ("fused_update", fused_update),
-                            ("allow_missing_masters", allow_missing_masters)):
+        for name, value in (("combine_grad", combine_grad), ("fused_update", fused_update)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False; got {value!r}")
-        self.combine_grad, self.fused_update, self.allow_missing_masters = combine_grad, fused_update, allow_missing_masters
+        self.combine_grad, self.fused_update = combine_grad, fused_update
         self._request = dict(opt_level=opt_level, dtype=dtype, loss_scale=loss_scale,
                              keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                              cast_model_outputs=cast_model_outputs)
@@ -127,8 +126,8 @@ class AmpPrecision(Precision):
         self._engine: Optional[AmpEngine] = None
         self._resolve()
         self._engine = AmpEngine(self._properties, self._new_scaler, combine_grad, fused_update,
-                                 allow_missing_masters, warn=rank_zero_warn)
-        self._ddp: Optional[Module] = None
+                                 warn=rank_zero_warn)
+        self._half_params: Optional[HalfParams] = None
 
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
@@ -188,13 +187,17 @@ class AmpPrecision(Precision):
         return self._engine.states
 
     def convert_module(self, module: Module) -> Module:
-        """Cast the model in place (O0: fp32; O2/O3: half, BatchNorm fp32 if kept) and hook its outputs."""
+        """Cast the model in place and hook its outputs. O0: fp32. Master weights (O2): params fp32,
+        buffers half, BatchNorm fp32 if kept; forward sees half copies of the params. O3: half."""
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
             self._use_device_type(trainer.strategy.root_device.type)
         props = self._properties
         if props.opt_level == "O0":
             cast_module_(module, torch.float32)
+        elif props.cast_model and props.master_weights:
+            prepare_o2_module_(module, props.dtype, props.keep_batchnorm_fp32)
+            self._half_params = HalfParams(module, props.dtype, props.keep_batchnorm_fp32)
         elif props.cast_model:
             cast_module_(module, props.dtype, props.keep_batchnorm_fp32)
             for sub in module.modules():
@@ -212,13 +215,12 @@ class AmpPrecision(Precision):
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         """The level's forward: see :func:`lightning_amp.amp.forward.forward_context`."""
-        with amp_forward.forward_context(self._properties, self._device_type):
+        with amp_forward.forward_context(self._properties, self._device_type, self._half_params):
             yield
 
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
-        """Swap half params for fp32 masters (O2), give each optimizer a scaler, make step schedulers skip-aware."""
+        """Give each optimizer a scaler and an OptimizerStep, make step schedulers skip-aware."""
         lightning_module = _unwrap(model)
-        self._ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
         names: Dict[Tensor, List[str]] = {}
         for name, param in lightning_module.named_parameters(remove_duplicate=False):
             names.setdefault(param, []).append(name)
@@ -237,13 +239,6 @@ class AmpPrecision(Precision):
                 tensor = tensor.float()
             tensor = tensor * scale
         return super().pre_backward(tensor, module)
-
-    def post_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
-        """After the user hooks: O2 half grads are added into the fp32 master grads (fp32 accumulation)."""
-        closure_loss = super().post_backward(tensor, module)
-        synced = self._ddp is None or getattr(self._ddp, "require_backward_grad_sync", True)
-        self._engine.move_grads_to_masters(synced, getattr(self._ddp, "process_group", None))
-        return closure_loss
 
     @staticmethod
     def _clipping_requested(model: "pl.LightningModule") -> bool:
@@ -276,6 +271,8 @@ class AmpPrecision(Precision):
         found_inf = agree(state.inspect() if in_kernel else state.unscale())
         self._after_closure(model, optimizer)
         state.apply(found_inf, in_kernel, **kwargs)
+        if self._half_params is not None:
+            self._half_params.refresh()  # a manual step inside training_step: its next forward sees it
         self._log_metrics(model)
         return closure_result
 
@@ -309,7 +306,7 @@ class AmpPrecision(Precision):
         self._engine.state_of(optimizer).unscale()
 
     def state_dict(self) -> Dict[str, Any]:
-        """Scaler state of every optimizer and the skipped-step counts (fp32 masters go in ``state_dict``)."""
+        """Scaler state of every optimizer and the skipped-step counts."""
         return {"version": _STATE_VERSION, "opt_level": self._properties.opt_level, **self._engine.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -321,33 +318,26 @@ class AmpPrecision(Precision):
         self._engine.load_state_dict(state_dict)
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        """Under master weights, the checkpoint's ``state_dict`` holds the fp32 master values (exact resume,
-        loadable into a plain fp32 model); remaining half tensors there are upcast to fp32.
-
-        Lightning skips this hook for weights-only checkpoints (``save_weights_only=True``): those hold
-        the half values (still loadable into an fp32 model, but rounded)."""
+        """Under master weights the checkpoint's params are already the fp32 Parameters; its half buffers
+        are upcast to fp32 there, so it loads into a plain fp32 model as it is."""
         if not self._properties.master_weights:
             return
         model_state = checkpoint.get("state_dict")
         if not isinstance(model_state, dict):
             return
-        self._engine.masters_into(model_state)
         for key, value in model_state.items():
             if isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16):
                 model_state[key] = value.float()
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        """Restore the fp32 masters from the checkpoint's ``state_dict``; accept the state of a sibling class."""
+        """Accept the plugin state of a sibling class. The weights (fp32, also in checkpoints of the
+        former design, whose ``state_dict`` held the masters) are loaded by Lightning itself."""
         own = type(self).__qualname__
         if own not in checkpoint:
             for key in _PLUGIN_NAMES:
                 if key in checkpoint and isinstance(checkpoint[key], dict) and "loss_scalers" in checkpoint[key]:
                     self.load_state_dict(checkpoint[key])
                     break
-        model_state = checkpoint.get("state_dict")
-        if not isinstance(model_state, dict):
-            return
-        self._engine.masters_from(model_state)
 
 
 class AmpO0Plugin(AmpPrecision):
@@ -367,7 +357,8 @@ class AmpO1Plugin(AmpPrecision):
 
 
 class AmpO2Plugin(AmpPrecision):
-    """Apex O2: half model (BatchNorm fp32), fp32 master weights in the optimizer, dynamic loss scale (fp16)."""
+    """Apex O2: fp32 params seen as half copies in forward (BatchNorm fp32), fp32 grads and update,
+    dynamic loss scale (fp16)."""
 
     def __init__(self, **kwargs: Any) -> None:
         _no_opt_level(kwargs, "AmpO2Plugin")

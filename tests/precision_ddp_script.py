@@ -4,7 +4,7 @@ Usage: python precision_ddp_script.py OUT_DIR DEVICES
 Trains a tiny model under AmpO2Plugin(float16) with accumulate_grad_batches=2. With 2 devices
 (strategy="ddp", gloo) rank 1 alone writes inf into one gradient at optimizer step INF_STEP; with
 1 device the same step gets the inf, and the batch holds both ranks' samples. Each rank saves its
-params (half and fp32 masters), loss scale and skipped-step count to OUT_DIR/rank{r}.pt.
+params (the optimizer's and the module's, both fp32 under O2), loss scale and skipped-step count to OUT_DIR/rank{r}.pt.
 """
 import os
 import sys

@@ -92,5 +92,5 @@ def test_o2_trains_a_model_that_makes_fp32_tensors_in_forward(dtype):
     trainer, losses = _fit(model, plugins=[AmpO2Plugin(dtype=dtype, init_scale=2.0**8)])
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
     assert reference[-1] < reference[0]
-    assert model.embed.weight.dtype == dtype and model.bn.weight.dtype == torch.float32
-    assert all(p.dtype == torch.float32 for p in main_params(trainer.optimizers[0]))
+    assert model.embed.weight.dtype == model.bn.weight.dtype == torch.float32  # forward saw half copies
+    assert list(main_params(trainer.optimizers[0])) == list(model.parameters())

@@ -263,13 +263,13 @@ def _fit_epochs(out_dir, epochs, save_to, ckpt_path=None):
 
 def test_tp2_o2_resume_is_exact(tmp_path):
     """TP=2, O2 bf16: 2 epochs straight == 1 epoch, checkpoint, 1 more epoch (bitwise): the checkpoint holds
-    the gathered fp32 masters of sharded params and resume slices them back into the masters."""
+    the gathered fp32 values of sharded params (O2 params are fp32) and resume slices them back."""
     straight = _fit_epochs(tmp_path, 2, tmp_path / "straight.ckpt")
     _fit_epochs(tmp_path, 1, tmp_path / "half.ckpt")
     resumed = _fit_epochs(tmp_path, 2, tmp_path / "resumed.ckpt", ckpt_path=str(tmp_path / "half.ckpt"))
     assert straight.keys() == resumed.keys()
     sharded = "encoder.layers.0.linear1.weight"
     assert straight[sharded].dtype == torch.float32
-    assert straight[sharded].bfloat16().float().ne(straight[sharded]).any()  # true fp32 masters, not bf16 values
+    assert straight[sharded].bfloat16().float().ne(straight[sharded]).any()  # true fp32 values, not bf16 ones
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key

@@ -190,9 +190,11 @@ def test_bad_sizes_and_arguments():
 def test_tp2_bf16_o2_matches_single_device(tmp_path):
     """bf16 O2 at TP=2 against bf16 O2 on one device. The runs differ only by where bf16 rounds (the row-parallel
     partial sums are rounded before their all-reduce), so every loss must agree within half a bf16 ulp
-    (2^-9 relative; measured 2026-11-23: at most 5.8e-4) and every fp32 master within 10% of how far it moved
-    in the run (measured at most 5.3%; bf16 vs fp32 on one device differ by up to 15%). A sharded master that
-    missed or doubled an update would be off by about 100% of its movement."""
+    (2^-9 relative; measured 2026-11-23: at most 5.8e-4) and every fp32 param within 20% of how far it moved
+    in the run (measured 5.3% with the former O2 masters, which started from the bf16-rounded init; 12% since
+    the params keep their fp32 init, on one element of one Adam-stepped weight; bf16 vs fp32 on one device
+    differ by up to 15%). A sharded param that missed or doubled an update would be off by about 100% of
+    its movement."""
     from lightning_amp.precision import AmpO2Plugin
 
     single, tp2 = tmp_path / "single", tmp_path / "tp2"
@@ -201,12 +203,12 @@ def test_tp2_bf16_o2_matches_single_device(tmp_path):
     got = fit(tp2, TensorParallelStrategy(start_method="spawn"), 2, plugins=[AmpO2Plugin(dtype="bfloat16")],
               use_distributed_sampler=False)
     assert len(ref) == len(got) == 30
-    assert ref[-1] < ref[0] - 0.1  # the masters were updated
+    assert ref[-1] < ref[0] - 0.1  # the params were updated
     assert _rel(got, ref) < 2.0 ** -9, f"bf16 O2 TP=2 vs 1 device: {got[:3]} vs {ref[:3]}"
     start = TinyTransformer().state_dict()
     ref_state, tp_state = (torch.load(d / "model.ckpt", weights_only=False)["state_dict"] for d in (single, tp2))
     for key, initial in start.items():
-        assert tp_state[key].dtype == torch.float32  # the masters, not their bf16 copies
+        assert tp_state[key].dtype == torch.float32  # the fp32 params, not their bf16 copies
         moved = (ref_state[key] - initial).abs().max()
         assert moved > 0, key
-        assert (tp_state[key] - ref_state[key]).abs().max() < 0.1 * moved, f"{key}: master differs from 1 device"
+        assert (tp_state[key] - ref_state[key]).abs().max() < 0.2 * moved, f"{key}: param differs from 1 device"

@@ -1,5 +1,6 @@
 """Exact resume: 2N steps straight == N steps, checkpoint, N more in a new Trainer (bitwise, CPU, every level)."""
 import logging
+import pathlib
 import warnings
 
 import lightning as L
@@ -118,7 +119,7 @@ def _equal(a, b):
     return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
 
 
-def test_o2_checkpoint_holds_fp32_masters_and_loads_into_a_plain_fp32_model(tmp_path):
+def test_o2_checkpoint_holds_the_fp32_params_and_loads_into_a_plain_fp32_model(tmp_path):
     plugin = AmpO2Plugin(dtype="bfloat16")
     model = Net()
     trainer = _trainer(plugin, 1)
@@ -130,6 +131,7 @@ def test_o2_checkpoint_holds_fp32_masters_and_loads_into_a_plain_fp32_model(tmp_
     state = checkpoint["state_dict"]
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
     masters = list(main_params(trainer.optimizers[0]))
+    assert masters == list(model.parameters())
     names = [name for name, _ in model.named_parameters()]
     for name, master in zip(names, masters):
         assert torch.equal(state[name], master)
@@ -142,50 +144,35 @@ def test_o2_checkpoint_holds_fp32_masters_and_loads_into_a_plain_fp32_model(tmp_
     assert torch.equal(plain[0].weight, masters[0])
 
 
-def _o2_checkpoint(tmp_path):
+FORMER_DESIGN = pathlib.Path(__file__).parent / "data" / "o2_former_design.ckpt"
+
+
+def test_checkpoint_of_the_former_o2_design_resumes_with_its_fp32_masters(tmp_path):
+    """tests/data/o2_former_design.ckpt was saved by the former O2 design (main at 260711c: half module
+    params, private fp32 masters written over the state_dict) after one epoch of ``Net`` with
+    ``AmpO2Plugin(dtype="bfloat16")``. It loads: the module's fp32 params take the master values
+    bit for bit (not their bf16 rounding) and the optimizer its fp32 state."""
+    checkpoint = torch.load(FORMER_DESIGN, weights_only=False)
+    masters = checkpoint["state_dict"]
+    assert not torch.equal(masters["net.0.weight"], masters["net.0.weight"].bfloat16().float())
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["params"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            opt = trainer.optimizers[0]
+            seen["state"] = [{k: v.clone() for k, v in opt.state[p].items()} for p in main_params(opt)]
+
     plugin = AmpO2Plugin(dtype="bfloat16")
-    trainer = _trainer(plugin, 1)
-    trainer.fit(Net(), _loader())
-    path = tmp_path / "o2.ckpt"
-    trainer.save_checkpoint(path)
-    return path
-
-
-@pytest.mark.parametrize("fault", ["missing", "reshaped"])
-def test_master_without_matching_checkpoint_entry_raises_or_warns_by_option(tmp_path, fault):
-    path = _o2_checkpoint(tmp_path)
-    checkpoint = torch.load(path, weights_only=False)
-    if fault == "missing":
-        del checkpoint["state_dict"]["net.3.weight"]
-    else:
-        checkpoint["state_dict"]["net.3.weight"] = checkpoint["state_dict"]["net.3.weight"].reshape(-1)
-
-    plugin = AmpO2Plugin(dtype="bfloat16")
-    with pytest.raises(ValueError, match=r"net\.3\.weight.*allow_missing_masters"):
-        _load_only(plugin, checkpoint)  # the hook itself (Lightning's strict load may refuse earlier)
-
-    lenient = AmpO2Plugin(dtype="bfloat16", allow_missing_masters=True)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=2, plugins=[plugin], logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, callbacks=[Probe()])
     model = Net()
-    trainer = _trainer(lenient, 1)
-    trainer.fit(model, _loader())  # connects the masters
-    masters = {id(h): m for s in lenient._states for h, m in s.masters.pairs}
-    kept = masters[id(model.net[3].weight)].clone()
-    with pytest.warns(UserWarning, match=r"net\.3\.weight"):
-        lenient.on_load_checkpoint(checkpoint)
-    assert torch.equal(masters[id(model.net[3].weight)], kept)
-    assert torch.equal(masters[id(model.net[0].weight)], checkpoint["state_dict"]["net.0.weight"])
-
-
-def _load_only(plugin, checkpoint):
-    model = Net()
-    _trainer(plugin, 1).fit(model, _loader())
-    plugin.on_load_checkpoint(checkpoint)
-
-
-def test_saving_a_master_whose_entry_is_gone_raises(tmp_path):
-    plugin = AmpO2Plugin(dtype="bfloat16")
-    trainer = _trainer(plugin, 1)
-    trainer.fit(Net(), _loader())
-    checkpoint = {"state_dict": {k: v for k, v in trainer.lightning_module.state_dict().items() if k != "net.0.bias"}}
-    with pytest.raises(ValueError, match=r"net\.0\.bias"):
-        plugin.on_save_checkpoint(checkpoint)
+    trainer.fit(model, _loader(), ckpt_path=FORMER_DESIGN)
+    for name, value in masters.items():
+        if value.is_floating_point() and "running" not in name:
+            assert seen["params"][name].dtype == torch.float32 and torch.equal(seen["params"][name], value), name
+    saved_state = checkpoint["optimizer_states"][0]["state"]
+    for index, state in enumerate(seen["state"]):
+        for key, value in state.items():
+            assert torch.equal(value.float(), saved_state[index][key].float()), (index, key)
+    assert trainer.global_step == 2 * N

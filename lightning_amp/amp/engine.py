@@ -1,14 +1,14 @@
 """AmpEngine: every optimizer of one model under one opt level, framework-free.
 
 Owns one :class:`~lightning_amp.amp.step.OptimizerStep` and one :class:`LossScaler` per optimizer,
-the O2 masters (:class:`MasterParams`, one master per model param shared through a registry), the
-scale of each backward (the smallest among the optimizers whose params require grad; grads
+the scale of each backward (the smallest among the optimizers whose params require grad; grads
 already held at another factor are re-based first, so accumulated grads carry one known factor),
-the fp32 accumulation of half grads (with the all-reduce a DDP ``no_sync`` backward left to do),
 what happens when a skipped step reaches the host (names of the offending params at debug level,
 a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row, the grads dropped), and the
-scaler and master parts of checkpoints. The Lightning plugin (``lightning_amp.precision``) only
-calls into it from its hooks.
+scaler part of checkpoints. The optimizers step the module's own params at every level (under O2
+those are fp32 and forward sees half copies, :mod:`lightning_amp.amp.half_params`), so nothing
+here maps params to other tensors. The Lightning plugin (``lightning_amp.precision``) only calls
+into it from its hooks.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from lightning_amp.amp.levels import AmpProperties
-from lightning_amp.amp.master import MasterParams, load_masters, masters_into_state_dict, param_name
+from lightning_amp.amp.master import param_name
 from lightning_amp.amp.scaler import LossScaler
-from lightning_amp.amp.step import OptimizerStep, all_reduce_master_grads
+from lightning_amp.amp.step import OptimizerStep
 
 log = logging.getLogger(__name__)
 
@@ -37,38 +37,33 @@ class AmpEngine:
         properties: the resolved opt level (the plugin may replace it before :meth:`connect`).
         new_scaler: makes the LossScaler of one optimizer.
         combine_grad, fused_update: as :class:`OptimizerStep`.
-        allow_missing_masters: a master without a checkpoint entry of its shape warns instead of raising.
         warn: how warnings are issued (the plugin passes a rank-zero warn).
     """
 
     def __init__(self, properties: AmpProperties, new_scaler: Callable[[], LossScaler], combine_grad: bool = False,
-                 fused_update: bool = True, allow_missing_masters: bool = False,
-                 warn: Callable[[str], None] = warnings.warn) -> None:
+                 fused_update: bool = True, warn: Callable[[str], None] = warnings.warn) -> None:
         self.properties = properties
         self._new_scaler = new_scaler
-        self.combine_grad, self.fused_update, self.allow_missing_masters = combine_grad, fused_update, allow_missing_masters
+        self.combine_grad, self.fused_update = combine_grad, fused_update
         self.warn = warn
         self._scalers: List[LossScaler] = []
         self._states: List[OptimizerStep] = []
         self._skipped_before = 0  # skipped steps restored from a checkpoint for optimizers not present
-        self._local_master_grads = False  # masters hold grads of no_sync backwards, not yet all-reduced
         self._pending_state: Optional[dict] = None
         self.param_names: Dict[Tensor, List[str]] = {}
         #: names of the params whose grads were non-finite at the last skipped step (this rank's view)
         self.last_nonfinite_params: List[str] = []
 
     def connect(self, optimizers: List[torch.optim.Optimizer], param_names: Dict[Tensor, List[str]]) -> None:
-        """fp32 masters (under master weights), a scaler and an OptimizerStep for every optimizer."""
+        """A scaler and an OptimizerStep for every optimizer (``param_names``: param -> its names, for messages)."""
         self.param_names = param_names
-        registry: Dict[Tensor, Tensor] = {}
         self._states = []
         for index, optimizer in enumerate(optimizers):
             self._check_optimizer(index, optimizer)
-            masters = MasterParams(optimizer, registry) if self.properties.master_weights else None
             self._warn_on_vanishing_eps(index, optimizer)
             if index >= len(self._scalers):
                 self._scalers.append(self._new_scaler())
-            self._states.append(self._new_state(optimizer, self._scalers[index], masters, self.combine_grad))
+            self._states.append(self._new_state(optimizer, self._scalers[index], self.combine_grad))
         if self._pending_state is not None:
             self.load_scaler_states(self._pending_state)
             self._pending_state = None
@@ -107,25 +102,13 @@ class AmpEngine:
         else:
             self._pending_state = state_dict  # applied when connect() creates the scalers
 
-    def masters_into(self, model_state: Dict[str, Any]) -> None:
-        """Write the fp32 masters over their params' entries of a model ``state_dict``."""
-        pairs = [pair for state in self._states if state.masters is not None for pair in state.masters.pairs]
-        self.report_masters(masters_into_state_dict(pairs, self.param_names, model_state), "saved")
-
-    def masters_from(self, model_state: Dict[str, Any]) -> None:
-        """Set the fp32 masters from a model ``state_dict``'s full-precision entries."""
-        for state in self._states:
-            if state.masters is not None:
-                self.report_masters(load_masters(state.masters, self.param_names, model_state), "loaded")
-
     def _check_optimizer(self, index: int, optimizer: torch.optim.Optimizer) -> None:
         props = self.properties
-        if isinstance(optimizer, torch.optim.LBFGS) and (props.scaling_enabled or props.master_weights):
+        if isinstance(optimizer, torch.optim.LBFGS) and props.scaling_enabled:
             raise ValueError(
                 f"optimizers[{index}] ({type(optimizer).__name__}) re-evaluates its closure inside step() and cannot "
-                f"be used with loss scaling or master weights (opt_level={props.opt_level}, "
-                f"loss_scale={props.loss_scale!r}, master_weights={props.master_weights}). Allowed: "
-                "loss_scale=1.0 without master weights (e.g. O0, O3, or O1 with bfloat16)."
+                f"be used with loss scaling (opt_level={props.opt_level}, loss_scale={props.loss_scale!r}). "
+                "Allowed: loss_scale=1.0 (e.g. O0, O3, or O1/O2 with bfloat16)."
             )
 
     def _warn_on_vanishing_eps(self, index: int, optimizer: torch.optim.Optimizer) -> None:
@@ -143,9 +126,8 @@ class AmpEngine:
                     )
                     return
 
-    def _new_state(self, optimizer: torch.optim.Optimizer, scaler: LossScaler, masters: Optional[MasterParams],
-                   combine_grad: bool) -> OptimizerStep:
-        return OptimizerStep(optimizer, scaler, masters, combine_grad, self.fused_update, on_skip=self._on_skip)
+    def _new_state(self, optimizer: torch.optim.Optimizer, scaler: LossScaler, combine_grad: bool) -> OptimizerStep:
+        return OptimizerStep(optimizer, scaler, combine_grad, self.fused_update, on_skip=self._on_skip)
 
     def state_of(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
@@ -155,7 +137,7 @@ class AmpEngine:
         # an optimizer the Trainer did not hand to connect(): give it a scaler of its own
         self._check_optimizer(len(self._states), optimizer)
         self._scalers.append(self._new_scaler())
-        state = self._new_state(optimizer, self._scalers[-1], None, False)
+        state = self._new_state(optimizer, self._scalers[-1], False)
         self._states.append(state)
         return state
 
@@ -176,20 +158,6 @@ class AmpEngine:
             state.gate.poll()
             state.rebase(scale, shared=len(candidates) > 1)
         return scale
-
-    def move_grads_to_masters(self, synced: bool = True, group: Any = None) -> None:
-        """After a backward: half grads into the fp32 master grads. ``synced=False`` (a DDP ``no_sync``
-        backward): those grads are local; they are averaged over ``group`` after the next synced one."""
-        with_masters = [s for s in self._states if s.masters is not None]
-        if not with_masters:
-            return
-        if synced and self._local_master_grads:
-            self._local_master_grads = False
-            all_reduce_master_grads(with_masters, group)
-        for state in with_masters:
-            state.masters.accumulate_model_grads_()
-        if not synced:
-            self._local_master_grads = True
 
     def _on_skip(self, state: OptimizerStep) -> None:
         """A skipped step reached the host: name the params, log, warn every OVERFLOW_WARN_AFTER in a row."""
@@ -218,14 +186,3 @@ class AmpEngine:
         for state, skipped in zip(self._states, state_dict.get("skipped_per_optimizer", [])):
             state.skipped = int(skipped)
         self._skipped_before -= sum(s.skipped for s in self._states)  # the rest: optimizers not here now
-
-    def report_masters(self, mismatched: List[str], verb: str) -> None:
-        if not mismatched:
-            return
-        message = (f"lightning_amp: the fp32 masters of {len(mismatched)} param(s) could not be {verb}: the "
-                   f"checkpoint's state_dict has no entry of the param's shape for {', '.join(mismatched)}")
-        if not self.allow_missing_masters:
-            raise ValueError(message + " (pass allow_missing_masters=True to keep the current masters instead)")
-        self.warn(message + "; their current masters are kept (allow_missing_masters=True)")
-
-

@@ -1,8 +1,7 @@
 """KernelStep: a user's ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` stepped by lightning_amp's fused kernels.
 
-One kernel call per (param group, device, dtype) updates the params (the fp32 masters under O2)
-and their state, writes the rounded half copy of each master (``model_copies``) in the same pass,
-and changes nothing at all when the device flag ``found_inf`` is non-zero (step counters
+One kernel call per (param group, device, dtype) updates the params and their state in one pass
+(under O2 the params are the module's fp32 Parameters, as at O1), and changes nothing at all when the device flag ``found_inf`` is non-zero (step counters
 included): no host read decides the skip.
 
 Which optimizers (:func:`supports`): the class is exactly ``torch.optim.Adam``, ``AdamW`` or
@@ -21,7 +20,7 @@ amsgrad; ``momentum_buffer`` for SGD with momentum), so ``state_dict()`` loads i
 torch optimizer and back. Math is fp32 (torch computes in the param's dtype: equal on fp32
 params and masters up to rounding order, more accurate on 16-bit params).
 
-Host cost: the lists (params, state, half copies) are built once and rebuilt only when the
+Host cost: the lists (params, state) are built once and rebuilt only when the
 number of groups or a group's params list changes (``len`` and identity of the list and of its
 first and last param), or when a param has no state yet. The first step of a plan with
 missing state reads ``found_inf`` on the host (once), so a skipped first step creates no state.
@@ -58,10 +57,10 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class _Part:
-    """One kernel call: params of one group sharing (device, dtype, has-half-copy)."""
+    """One kernel call: params of one group sharing (device, dtype)."""
 
-    def __init__(self, optimizer, group: dict, params: List[Tensor], copies: Optional[List[Tensor]]) -> None:
-        self.group, self.params, self.copies = group, params, copies
+    def __init__(self, optimizer, group: dict, params: List[Tensor]) -> None:
+        self.group, self.params = group, params
         self.device = params[0].device
         state = [optimizer.state[p] for p in params]
         self.steps = [st.get("step") for st in state]
@@ -75,13 +74,11 @@ class KernelStep:
     """Steps ``optimizer`` (see :func:`supports`) with the fused kernels.
 
     Args:
-        optimizer: a torch Adam/AdamW/SGD (its params are the fp32 masters under O2).
-        copy_of: param -> 16-bit model param that receives the param rounded (O2's half copy).
+        optimizer: a torch Adam/AdamW/SGD.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, copy_of: Dict[Tensor, Tensor]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.copy_of = copy_of
         self.adam = not isinstance(optimizer, torch.optim.SGD)
         self.adam_w = isinstance(optimizer, torch.optim.AdamW)
         self._signature: Optional[tuple] = None
@@ -124,10 +121,9 @@ class KernelStep:
             buckets: Dict[tuple, List[Tensor]] = {}
             for p in group["params"]:
                 if p.requires_grad:
-                    buckets.setdefault((p.device, p.dtype, p in self.copy_of), []).append(p)
-            for (_, _, copied), params in buckets.items():
-                copies = [self.copy_of[p] for p in params] if copied else None
-                self._parts.append(_Part(self.optimizer, group, params, copies))
+                    buckets.setdefault((p.device, p.dtype), []).append(p)
+            for params in buckets.values():
+                self._parts.append(_Part(self.optimizer, group, params))
 
     def _needs_state(self, p: Tensor, group: dict) -> bool:
         st = self.optimizer.state.get(p, {})
@@ -183,7 +179,7 @@ class KernelStep:
                 self._run(part, [i for i, g in enumerate(grads) if g is not None], found_inf)
                 continue
             grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-            self._call(part.group, params, grads, part, found_inf(part.device), part.copies, False)
+            self._call(part.group, params, grads, part, found_inf(part.device), False)
 
     def _run(self, part: _Part, keep: List[int], found_inf) -> None:
         """The subset ``keep`` of a part (params without grad do not move, as in torch)."""
@@ -195,7 +191,7 @@ class KernelStep:
         sub.max_exp_avg_sqs, sub.momentum_buffers = pick(part.max_exp_avg_sqs), pick(part.momentum_buffers)
         params = pick(part.params)
         grads = [p.grad.contiguous() for p in params]
-        self._call(part.group, params, grads, sub, found_inf(part.device), pick(part.copies), False)
+        self._call(part.group, params, grads, sub, found_inf(part.device), False)
 
     def _first_step(self, found_inf) -> None:
         for group in self.optimizer.param_groups:
@@ -203,14 +199,13 @@ class KernelStep:
             for p in group["params"]:
                 if p.grad is not None:
                     first = bool(self.optimizer.state[p].pop("_first", False))
-                    buckets.setdefault((p.device, p.dtype, p in self.copy_of, first), []).append(p)
-            for (device, _, copied, first), params in buckets.items():
-                part = _Part(self.optimizer, group, params, None)
+                    buckets.setdefault((p.device, p.dtype, first), []).append(p)
+            for (device, _, first), params in buckets.items():
+                part = _Part(self.optimizer, group, params)
                 grads = [p.grad.contiguous() for p in params]
-                copies = [self.copy_of[p] for p in params] if copied else None
-                self._call(group, params, grads, part, found_inf(device), copies, first)
+                self._call(group, params, grads, part, found_inf(device), first)
 
-    def _call(self, group, params, grads, part, found_inf, copies, first_run) -> None:
+    def _call(self, group, params, grads, part, found_inf, first_run) -> None:
         if self.adam:
             beta1, beta2 = group["betas"]
             ops.multi_tensor_adam(
@@ -218,13 +213,13 @@ class KernelStep:
                 beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 adam_w_mode=self.adam_w or bool(group.get("decoupled_weight_decay", False)),
                 max_exp_avg_sqs=part.max_exp_avg_sqs if group["amsgrad"] else None,
-                found_inf=found_inf, model_copies=copies, checked=not first_run and self._signature is not None,
+                found_inf=found_inf, checked=not first_run and self._signature is not None,
             )
         else:
             momentum = group["momentum"]
             ops.multi_tensor_sgd(
                 params, grads, part.momentum_buffers if momentum != 0 else None, lr=group["lr"], momentum=momentum,
                 dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                first_run=first_run, found_inf=found_inf, model_copies=copies,
+                first_run=first_run, found_inf=found_inf,
                 checked=not first_run and self._signature is not None,
             )

@@ -57,10 +57,13 @@ class AmpProperties:
     """The resolved, immutable properties of one opt level.
 
     opt_level: "O0".."O3". dtype: the half dtype computed in (torch.float32 for O0).
-    cast_model: the model's floating params/buffers are cast to ``dtype`` in place.
-    autocast: forward runs under ``torch.autocast(dtype)`` plus the registered cast lists.
+    cast_model: the model's floating buffers are cast to ``dtype`` in place, and its params too
+    unless ``master_weights``; forward computes in ``dtype``.
+    autocast: forward runs under ``torch.autocast(dtype)`` plus the registered cast lists (O1;
+    O2's forward also runs under autocast, see :mod:`lightning_amp.amp.forward`).
     keep_batchnorm_fp32: BatchNorm layers stay fp32 when the model is cast.
-    master_weights: the optimizer steps on fp32 master copies of the (half) params.
+    master_weights: with ``cast_model``, the params stay fp32 (what the optimizer steps, what
+    checkpoints hold) and forward sees half copies of them (:mod:`lightning_amp.amp.half_params`).
     loss_scale: a positive static scale, or "dynamic". cast_model_outputs: dtype the model's
     floating outputs are cast to, or None to leave them alone.
     """

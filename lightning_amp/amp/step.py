@@ -9,7 +9,7 @@ ranks, see :func:`agree`):
 2. :meth:`OptimizerStep.apply` steps through one of three drivers, chosen per step:
 
    * ``kernel``: a plain ``torch.optim.Adam``/``AdamW``/``SGD`` (:mod:`lightning_amp.amp.kernel_step`)
-     is stepped by the fused kernels, which take ``found_inf`` and under O2 write the half copies;
+     is stepped by the fused kernels, which take ``found_inf``;
    * ``protocol``: an optimizer with ``_step_supports_amp_scaling`` (FusedAdam, torch ``fused=True``)
      gets ``grad_scale``/``found_inf`` as attributes, as ``torch.amp.GradScaler`` hands them;
    * ``host``: any other optimizer; the flag is read on the host and ``step()`` is called or not
@@ -36,7 +36,7 @@ from torch import Tensor
 from lightning_amp.amp.flat import FlatGradBuffer
 from lightning_amp.amp.gate import StepGate
 from lightning_amp.amp.kernel_step import KernelStep, supports
-from lightning_amp.amp.master import MasterParams, nonfinite_flags, optimizer_grads, optimizer_params
+from lightning_amp.amp.master import nonfinite_flags, optimizer_grads, optimizer_params
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.optimizers.base import FusedOptimizer
 
@@ -57,31 +57,26 @@ def agree(found_inf: Tensor, group: Any = None) -> Tensor:
 
 
 class OptimizerStep:
-    """Scaler, masters, drivers and the loss-scale factor carried by one optimizer's current grads.
+    """Scaler, drivers and the loss-scale factor carried by one optimizer's current grads.
 
     Args:
-        optimizer: the user's optimizer (its params are the fp32 masters once ``masters`` is given).
+        optimizer: the user's optimizer (its params are the module's own params at every level).
         scaler: this optimizer's :class:`LossScaler` (moved to the params' device).
-        masters: the O2 masters of ``optimizer``, or None.
         combine_grad: the stepped params' grads are views into one :class:`FlatGradBuffer`.
         fused_update: step plain torch Adam/AdamW/SGD with the fused kernels (``kernel`` driver).
         on_skip: called with this object once per skipped step, when the host learns of it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: LossScaler, masters: Optional[MasterParams],
-                 combine_grad: bool = False, fused_update: bool = True,
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: LossScaler, combine_grad: bool = False, fused_update: bool = True,
                  on_skip: Optional[Callable[["OptimizerStep"], None]] = None) -> None:
         self.optimizer = optimizer
         self.scaler = scaler
-        self.masters = masters
         params = list(optimizer_params(optimizer))
         if params:
             scaler.to(params[0].device)
         self.flat = FlatGradBuffer(params) if combine_grad else None
-        self.model_params: List[Tensor] = masters.model_params if masters else params
         self._devices = {p.device for p in params}
-        copy_of = {m: h for h, m in masters.pairs} if masters else {}
-        self.kernel = KernelStep(optimizer, copy_of) if fused_update and supports(optimizer) else None
+        self.kernel = KernelStep(optimizer) if fused_update and supports(optimizer) else None
         self.grad_factor: Optional[Factor] = None  # the loss scale the held grads carry (None: unscaled)
         self._factor_version = -1
         self._found: Optional[Tensor] = None
@@ -98,15 +93,14 @@ class OptimizerStep:
         return "protocol" if unscales_in_step(self.optimizer) else "host"
 
     def requires_grad(self) -> bool:
-        return any(p.requires_grad for p in self.model_params)
+        """Some param of the optimizer requires grad now (read from the params: unfreezing counts)."""
+        return any(p.requires_grad for p in optimizer_params(self.optimizer))
 
     # ---- grads ------------------------------------------------------------------------
 
     def rebase(self, scale: Factor, shared: bool) -> None:
         """Before a backward at ``scale``: re-base grads already held at another factor onto it.
         ``shared``: the scale is the minimum over several optimizers (always re-based)."""
-        if self.masters is not None and self.masters.has_model_grads():
-            self.masters.accumulate_model_grads_()
         if self.flat is not None and not self.flat.views_intact():
             self.flat.rebind()  # e.g. after zero_grad(set_to_none=True): autograd must add into the views
         factor = self.grad_factor
@@ -120,13 +114,8 @@ class OptimizerStep:
         self._factor_version = self.scaler.steps
         self._found = None
 
-    def _grads(self) -> List[Tensor]:
-        if self.masters is not None and self.masters.has_model_grads():
-            self.masters.accumulate_model_grads_()
-        return [g for g in (p.grad for p in optimizer_params(self.optimizer)) if g is not None]
-
     def _check(self, inv: Factor) -> Tensor:
-        grads = self._grads()
+        grads = optimizer_grads(self.optimizer)
         if self.flat is not None and self.flat.views_intact() and len(grads) == len(self.flat.params):
             grads = list(self.flat.buffers.values())  # one tensor per buffer
         device = grads[0].device if grads else next(iter(self._devices), torch.device("cpu"))
@@ -157,10 +146,6 @@ class OptimizerStep:
         return self._check(1.0)
 
     def clear_grads(self) -> None:
-        if self.masters is not None:
-            self.masters.clear_grads_()
-        for p in self.model_params:
-            p.grad = None
         for p in optimizer_params(self.optimizer):
             p.grad = None
         if self.flat is not None:
@@ -195,12 +180,8 @@ class OptimizerStep:
                 self.optimizer.step(**step_kwargs)
             finally:
                 del self.optimizer.grad_scale, self.optimizer.found_inf
-            if self.masters is not None:
-                self.masters.copy_to_model_()
         else:
             self.optimizer.step(**step_kwargs)
-            if self.masters is not None:
-                self.masters.copy_to_model_()
         if not in_kernel:
             self.grad_factor = None
         self._found = None
@@ -219,8 +200,7 @@ class OptimizerStep:
         _, flags = nonfinite_flags([p.grad for p in params])
         if flags is None:
             return []
-        halves = {id(m): h for h, m in self.masters.pairs} if self.masters is not None else {}
-        return [halves.get(id(p), p) for p, flag in zip(params, flags.tolist()) if flag]
+        return [p for p, flag in zip(params, flags.tolist()) if flag]
 
 
 def _by_device(tensors: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
@@ -228,25 +208,3 @@ def _by_device(tensors: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
     for t in tensors:
         out.setdefault(t.device, []).append(t)
     return out
-
-
-@torch.no_grad()
-def all_reduce_master_grads(states: List[OptimizerStep], group: Any = None) -> None:
-    """Average over ``group`` the grads that earlier ``no_sync`` backwards left in the masters
-    (DDP skipped them): one all-reduce over all masters' grads, flattened."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    masters = list({id(m): m for s in states if s.masters is not None for m in s.masters.masters}.values())
-    if not masters:
-        return
-    flat = torch.cat([(m.grad if m.grad is not None else torch.zeros_like(m)).reshape(-1) for m in masters])
-    dist.all_reduce(flat, group=group)
-    flat.div_(dist.get_world_size(group))
-    offset = 0
-    for m in masters:
-        chunk = flat[offset : offset + m.numel()].view_as(m)
-        if m.grad is None:
-            m.grad = chunk.clone()
-        else:
-            m.grad.copy_(chunk)  # in place: keeps combine_grad's flat-buffer views attached
-        offset += m.numel()

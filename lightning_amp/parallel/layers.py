@@ -80,10 +80,12 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
     ``dgrad_comm``: "none" | "all_reduce" | "reduce_scatter" applied to grad_input over ``group``;
     ``sequence_parallel``: all-gather ``x`` along ``seq_dim`` in forward (the reduce-scatter of
     grad_input is then the adjoint). Under autocast the GEMM runs in the autocast dtype.
+    ``param``: the layer's weight Parameter, whose ``main_grad`` takes the fused wgrad; under O2 it
+    is fp32 while ``weight`` is the half copy forward sees (:mod:`lightning_amp.amp.half_params`).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, dgrad_comm, async_comm, fusion, sequence_parallel, seq_dim):
+    def forward(ctx, x, weight, bias, group, dgrad_comm, async_comm, fusion, sequence_parallel, seq_dim, param):
         dtype = _compute_dtype(x)
         x_c, w_c = x.to(dtype), weight.to(dtype)
         b_c = bias.to(dtype) if bias is not None else None
@@ -91,7 +93,7 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             out = F.linear(total, w_c, b_c)
         ctx.save_for_backward(total, w_c)
-        ctx.weight = weight
+        ctx.weight, ctx.weight_dtype = param, weight.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.group, ctx.dgrad_comm, ctx.async_comm = group, dgrad_comm, async_comm
@@ -122,7 +124,7 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
                     ready(weight)
             else:
                 go2 = grad_output.reshape(-1, grad_output.shape[-1])
-                grad_weight = (go2.t() @ total.reshape(-1, total.shape[-1])).to(weight.dtype)
+                grad_weight = (go2.t() @ total.reshape(-1, total.shape[-1])).to(ctx.weight_dtype)
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
@@ -131,7 +133,7 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
             handle.wait()
         if rs_out is not None:
             grad_input = comm.finish_reduce_scatter(rs_out, ctx.seq_dim)
-        return grad_input.to(ctx.in_dtype), grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input.to(ctx.in_dtype), grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _validate_common(sequence_parallel: bool, sequence_dim: int) -> None:
@@ -279,6 +281,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         out = LinearWithAsyncGradComm.apply(
             x, self.weight, bias, self.group, dgrad, self.async_grad_allreduce,
             self.gradient_accumulation_fusion, self.sequence_parallel and self.tp_size > 1, self.sequence_dim,
+            self._parameters["weight"],
         )
         if self.gather_output:
             out = comm.gather_from_tensor_parallel_region(out, self.group)
@@ -352,7 +355,8 @@ class RowParallelLinear(_ParallelLinearBase):
         if not self.input_is_parallel:
             x = comm.scatter_to_tensor_parallel_region(x, self.group)
         out = LinearWithAsyncGradComm.apply(
-            x, self.weight, None, self.group, "none", False, self.gradient_accumulation_fusion, False, self.sequence_dim
+            x, self.weight, None, self.group, "none", False, self.gradient_accumulation_fusion, False, self.sequence_dim,
+            self._parameters["weight"],
         )
         if self.sequence_parallel:
             out = comm.reduce_scatter_to_sequence_parallel_region(out, self.group, self.sequence_dim)

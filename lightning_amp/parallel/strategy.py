@@ -61,9 +61,8 @@ class TensorParallelStrategy(DDPStrategy):
     asynchronous input-gradient all-reduce is queued before the weight-gradient GEMM and overlaps it.
     The training sampler is distributed over the DP ranks only (TP ranks see the same batches).
     Loading a checkpoint: weights and optimizer state are resharded to the current TP size. Under
-    O2 master weights the checkpoint holds the gathered fp32 *master* values of every param (sharded
-    ones included) and resuming restores them into the masters, so a resumed run is bitwise the
-    uninterrupted one.
+    O2 the params are fp32 (forward sees half copies), so the checkpoint holds their gathered fp32
+    values and a resumed run is bitwise the uninterrupted one.
     """
 
     strategy_name = "tp_fused"
@@ -187,18 +186,6 @@ class TensorParallelStrategy(DDPStrategy):
                 bucket_numel=self.bucket_numel, overlap=self.overlap_grad_reduce,
             )
             self._patch_gradient_clipping()
-            self._mark_master_params()
-            self._patch_master_loading()
-
-    def _mark_master_params(self) -> None:
-        """fp32 masters made by the precision plugin (O2) inherit the sharding marks of their model params,
-        so clipping norms and the optimizer-state gather see them."""
-        for state in getattr(self.precision_plugin, "_states", None) or []:
-            masters = getattr(state, "masters", None)
-            for half, master in getattr(masters, "pairs", None) or []:
-                for attr in ("tensor_model_parallel", "partition_dim", "shard_layout", "sequence_parallel"):
-                    if hasattr(half, attr):
-                        setattr(master, attr, getattr(half, attr))
 
     def _broadcast_module_from_rank_zero(self) -> None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -234,7 +221,7 @@ class TensorParallelStrategy(DDPStrategy):
     # ------------------------------------------------------------------ backward and step
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """As Lightning's, with the gradient reduction between the backward and the precision plugin's
-        ``post_backward`` (which moves O2 grads, i.e. the exposed ``main_grad``, into the fp32 masters)."""
+        ``post_backward`` (``p.grad`` is the exposed fp32 ``main_grad`` by then)."""
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
@@ -277,52 +264,8 @@ class TensorParallelStrategy(DDPStrategy):
         assert self.lightning_module is not None
         if not self._converted:
             return self.lightning_module.state_dict()
-        with self._params_hold_masters():  # O2: the fp32 masters' values, gathered (exact resume)
-            state = gathered_state_dict(self.lightning_module)
+        state = gathered_state_dict(self.lightning_module)
         return {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in state.items()}
-
-    def _master_pairs(self) -> list:
-        pairs = []
-        for state in getattr(self.precision_plugin, "_states", None) or []:
-            masters = getattr(state, "masters", None)
-            pairs += list(getattr(masters, "pairs", None) or [])
-        return pairs
-
-    @contextmanager
-    def _params_hold_masters(self, masters: Optional[list] = None) -> Generator:
-        """While active, every model param whose optimizer steps an fp32 master holds that master's data
-        (or, given ``masters``, those tensors) so the gather/slice code of the plan handles them."""
-        pairs = self._master_pairs()
-        saved = [half.data for half, _ in pairs]
-        try:
-            for i, (half, master) in enumerate(pairs):
-                half.data = master.data if masters is None else masters[i]
-            yield pairs
-        finally:
-            for (half, _), data in zip(pairs, saved):
-                half.data = data
-
-    def _patch_master_loading(self) -> None:
-        """O2 resume: the plugin restores only masters whose checkpoint entry has the local shape; the
-        masters of sharded params take this rank's slice of the gathered fp32 values afterwards."""
-        plugin = self.precision_plugin
-        original = plugin.on_load_checkpoint
-
-        def on_load_checkpoint(checkpoint: dict) -> None:
-            original(checkpoint)
-            model_state = checkpoint.get("state_dict")
-            pairs = self._master_pairs()
-            if not pairs or not isinstance(model_state, dict):
-                return
-            scratch = [torch.empty(master.shape, dtype=torch.float32, device=master.device) for _, master in pairs]
-            with self._params_hold_masters(scratch):
-                load_gathered_state_dict(self.lightning_module, model_state, strict=False)
-            with torch.no_grad():
-                for (half, master), value in zip(pairs, scratch):
-                    if getattr(half, "tensor_model_parallel", False):
-                        master.copy_(value)
-
-        plugin.on_load_checkpoint = on_load_checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None

@@ -1,0 +1,95 @@
+"""lightning_amp.amp.half_params: O2's fp32 Parameters seen as half copies inside forward, no Lightning."""
+import pytest
+import torch
+from torch import nn
+
+from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
+from lightning_amp.amp.module_cast import cast_module_
+
+HALVES = [torch.float16, torch.bfloat16]
+
+
+class _Tied(nn.Module):
+    """Embedding and a head that reads the embedding's weight from the parent's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.mix = nn.Linear(6, 6)
+
+    def forward(self, idx):
+        hidden = self.norm(self.embed(idx))
+        return self.mix(hidden) @ self.embed.weight.t()
+
+
+def _model(dtype, seed=0):
+    torch.manual_seed(seed)
+    model = _Tied()
+    model.register_buffer("offset", torch.randn(6))
+    return prepare_o2_module_(model, dtype, keep_batchnorm_fp32=True), HalfParams(model, dtype, True)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_params_stay_fp32_parameters_buffers_become_half_batchnorm_fp32(dtype):
+    torch.manual_seed(0)
+    model = _Tied().to(dtype)  # half params are upcast in place, the Parameter objects survive
+    ids = [id(p) for p in model.parameters()]
+    model.register_buffer("offset", torch.randn(6))
+    prepare_o2_module_(model, dtype, keep_batchnorm_fp32=True)
+    assert [id(p) for p in model.parameters()] == ids
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model.offset.dtype == dtype and model.norm.running_mean.dtype == torch.float32
+    assert len(model.norm._forward_pre_hooks) == 1
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_forward_sees_half_copies_and_grads_land_on_the_fp32_params(dtype):
+    """Inside the block every non-BatchNorm weight (the tied one read by the parent included) is the
+    param rounded to ``dtype``; outside it is the Parameter again. The fp32 grads equal the grads of
+    the same half computation done by hand (one shared copy: the tied weight's two uses are summed)."""
+    model, half = _model(dtype)
+    idx = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1)).reshape(-1)
+    with half:
+        assert model.embed.weight.dtype == dtype and torch.equal(model.embed.weight, model.embed._parameters["weight"].to(dtype))
+        assert model.norm.weight.dtype == torch.float32 and isinstance(model.norm.weight, nn.Parameter)
+        assert model.mix.weight.requires_grad and not isinstance(model.mix.weight, nn.Parameter)
+        out = model(idx)
+    assert out.dtype == dtype and isinstance(model.embed.weight, nn.Parameter)
+    (out.float() ** 2).mean().backward()
+
+    ref = _Tied()  # the same model cast to half by hand (BatchNorm fp32)
+    ref.load_state_dict(model.state_dict(), strict=False)
+    cast_module_(ref, dtype, keep_batchnorm_fp32=True)
+    (ref(idx).float() ** 2).mean().backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32, name
+        assert torch.equal(p.grad, r.grad.float()), name
+
+
+def test_error_inside_the_block_removes_the_copies():
+    model, half = _model(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="boom"):
+        with half:
+            raise RuntimeError("boom")
+    assert isinstance(model.mix.weight, nn.Parameter) and "weight" not in model.mix.__dict__
+    assert not half._holders and half._hook is None
+
+
+def test_writes_and_requires_grad_changes_inside_the_block_reach_the_next_forward():
+    """A write to the Parameter (as an optimizer step or a callback does) and toggling requires_grad
+    (``toggle_optimizer``) inside the block are seen by the next module forward in that block."""
+    model, half = _model(torch.bfloat16)
+    x = torch.randn(3, 6).bfloat16()
+    with half:
+        with torch.no_grad():
+            model.mix._parameters["weight"].mul_(2.0)
+        assert torch.equal(model.mix(x), nn.functional.linear(x, (model.mix._parameters["weight"]).bfloat16(),
+                                                              model.mix._parameters["bias"].bfloat16()))
+        model.mix._parameters["weight"].requires_grad_(False)
+        out = model.mix(x)
+        assert not model.mix.weight.requires_grad
+        model.mix._parameters["weight"].requires_grad_(True)
+        out = model.mix(x)
+    out.sum().backward()
+    assert model.mix._parameters["weight"].grad is not None
