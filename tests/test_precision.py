@@ -280,7 +280,7 @@ def test_skip_aware_scheduler_keeps_type_state_and_pickles():
     precision_module.make_scheduler_skip_aware(sched)
     precision_module.make_scheduler_skip_aware(sched)
     assert isinstance(sched, torch.optim.lr_scheduler.StepLR) and sched.state_dict().keys() == plain_state.keys()
-    gate = StepGate(on_skip=lambda: None)
+    gate = StepGate(on_skip=lambda *_: None)
     gate.attach(opt)
     gate.record(torch.tensor(1.0))  # a skipped step
     sched.step()
@@ -291,10 +291,10 @@ def test_skip_aware_scheduler_keeps_type_state_and_pickles():
     assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.5
     restored = pickle.loads(pickle.dumps(sched))
     assert type(restored) is type(sched) and restored.last_epoch == 1
-    StepGate(on_skip=lambda: None).attach(restored.optimizer)
+    StepGate(on_skip=lambda *_: None).attach(restored.optimizer)
     restored.step()  # a gate that recorded nothing: the step goes ahead
     assert restored.last_epoch == 2
-    again = StepGate(on_skip=lambda: None)
+    again = StepGate(on_skip=lambda *_: None)
     again.attach(restored.optimizer)
     again.record(torch.tensor(float("nan")))
     restored.step()
@@ -315,7 +315,7 @@ def _skip_aware_sgd_with_late_gate():
     opt = torch.optim.SGD([nn.Parameter(torch.randn(3))], lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     precision_module.make_scheduler_skip_aware(sched)
-    gate = _LateGate(on_skip=lambda: None)
+    gate = _LateGate(on_skip=lambda *_: None)
     gate.attach(opt)
     return opt, sched, gate
 

@@ -146,6 +146,11 @@ class LossScaler:
         """1 / scale: the factor that unscales gradients."""
         return 1.0 / self.scale
 
+    def report_tensor(self) -> Tensor:
+        """``[scale, overflows in a row]`` as a new 1-dim fp32 tensor on :attr:`device` (no host read):
+        what a skipped step's report copies to the host with its flag."""
+        return torch.stack([self._scale32, self._counters[2].float()])
+
     @property
     def growth_tracker(self) -> int:
         """Clean steps in a row since the last growth or overflow."""
