@@ -244,7 +244,7 @@ def _same(a, b):
     ],
     ids=["O2-fp16-dynamic", "O1-bf16-static", "O0", "O3-bf16"],
 )
-def test_nonfinite_grad_skips_step_and_holds_scheduler(monkeypatch, caplog, plugin_fn, value, scale_after):
+def test_nonfinite_grad_skips_step_and_holds_scheduler(monkeypatch, caplog, plugin_fn, value, scale_after, flag_timing):
     monkeypatch.setattr(engine_module, "OVERFLOW_WARN_AFTER", 2)
     model = Classifier(inject_at=(2, 3), inject_value=value)
     plugin = plugin_fn()
@@ -253,12 +253,20 @@ def test_nonfinite_grad_skips_step_and_holds_scheduler(monkeypatch, caplog, plug
         with pytest.warns(UserWarning, match=r"2 optimizer steps in a row skipped.*net\.0\.weight"):
             trainer = _fit(model, plugin, steps=6, callbacks=[snaps], logger=collect, log_every_n_steps=1)
 
+    # a late flag defers the scheduler call after step s into step s + 1 (before that step's kernels)
+    shown = 0 if flag_timing == "immediate" else 1
+
+    def sched_moves(step):
+        return snaps.after[step + shown]["sched"][0] - snaps.before[step + shown]["sched"][0]
+
     for step in (2, 3):  # skipped: nothing moved
-        assert _same(snaps.before[step], snaps.after[step]), f"step {step} changed state"
+        for key in ("model", "main", "state"):
+            assert _same(snaps.before[step][key], snaps.after[step][key]), f"step {step} changed {key}"
+        assert sched_moves(step) == 0
     for step in (1, 4):  # clean steps do move params, optimizer state and the LR
         assert not _same(snaps.before[step]["main"], snaps.after[step]["main"])
         assert not _same(snaps.before[step]["state"], snaps.after[step]["state"])
-        assert snaps.after[step]["sched"][0] == snaps.before[step]["sched"][0] + 1
+        assert sched_moves(step) == 1
     assert plugin.skipped_steps == 2
     assert plugin.last_nonfinite_params == ["net.0.weight"]
     assert plugin.loss_scale == scale_after
@@ -268,8 +276,48 @@ def test_nonfinite_grad_skips_step_and_holds_scheduler(monkeypatch, caplog, plug
 
     logged = {step: row for step, row in collect.rows if "amp/skipped_steps" in row}
     assert sorted(logged) == list(range(6))
-    assert [logged[s]["amp/skipped_steps"] for s in range(6)] == [0, 0, 1, 2, 2, 2]
+    # the logged count is of the flags settled by then: a late device reports each skip one step later
+    settled = [0, 0, 1, 2, 2, 2] if flag_timing == "immediate" else [0, 0, 0, 1, 2, 2]
+    assert [logged[s]["amp/skipped_steps"] for s in range(6)] == settled
     assert logged[5]["amp/loss_scale"] == scale_after
+
+
+def test_clean_step_after_a_late_skip_is_not_dropped(flag_timing):
+    """O2 bf16, SGD, a per-step LR scheduler, inf at step 2 of 6: only step 2 is skipped, also when its
+    flag lands after step 3's backward (the skip once cleared step 3's grads: step 3 silently dropped)."""
+    model = Classifier(inject_at=(2,), sgd=True)
+    plugin, snaps = AmpO2Plugin(dtype="bfloat16"), _Snapshots()
+    trainer = _fit(model, plugin, steps=6, callbacks=[snaps])
+    moved = [not _same(snaps.before[s]["main"], snaps.after[s]["main"]) for s in range(6)]
+    assert moved == [True, True, False, True, True, True]
+    assert plugin.skipped_steps == 1 and plugin.last_nonfinite_params == ["net.0.weight"]
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 5
+
+
+def test_late_flag_reports_the_params_of_its_own_step():
+    """Names, scale and overflow count of a skip come from its own step even when the flag lands after
+    later steps (skips at steps 1 and 2 in different params, flags held back 3 steps)."""
+    from lightning_amp.amp.gate import simulate_device_lag
+
+    class TwoFaults(Classifier):
+        def on_after_backward(self):
+            if self.global_step == 1:
+                self.net[0].weight.grad[0, 0] = float("inf")
+            if self.global_step == 2:
+                self.net[3].bias.grad[0] = float("nan")
+
+    seen = []
+    with simulate_device_lag(3):
+        plugin = AmpO2Plugin(dtype="float16", init_scale=2.0**10)
+        engine, original = plugin._engine, plugin._engine._on_skip
+        engine._on_skip = lambda state, report: (seen.append((state.scaler.steps, report)), original(state, report))
+        _fit(TwoFaults(scheduler=False), plugin, steps=6)
+    assert [steps for steps, _ in seen] == [5, 6]  # landed 3 steps late
+    seen = [report for _, report in seen]
+    assert plugin.skipped_steps == 2
+    assert [[engine.param_names[p][0] for p in r.params] for r in seen] == [["net.0.weight"], ["net.3.bias"]]
+    assert plugin.last_nonfinite_params == ["net.3.bias"]
+    assert [(r.loss_scale, r.overflows_in_a_row) for r in seen] == [(2.0**9, 1), (2.0**8, 2)]
 
 
 def test_skip_aware_scheduler_keeps_type_state_and_pickles():
