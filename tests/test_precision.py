@@ -503,7 +503,7 @@ class _TwoOptimizers(L.LightningModule):
         return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.Adam(self.b.parameters(), lr=1e-2)
 
 
-def test_manual_optimization_two_optimizers_have_separate_scalers():
+def test_manual_optimization_two_optimizers_have_separate_scalers(flag_timing):
     model = _TwoOptimizers(inject_at=1)
     plugin = AmpO2Plugin(dtype="float16", init_scale=2.0**10)
     trainer = _fit(model, plugin, steps=6)  # 3 batches x 2 optimizers
@@ -513,6 +513,40 @@ def test_manual_optimization_two_optimizers_have_separate_scalers():
     assert [len(s) for s in (plugin.state_dict()["loss_scalers"],)] == [2]
     assert all(p.dtype == torch.float32 for opt in trainer.optimizers for p in main_params(opt))
     assert model.a.weight.dtype == F16
+
+
+class _NoZeroGrad(L.LightningModule):
+    """Manual optimization that never zeroes grads; the backward of step 1 writes an inf."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.net = nn.Linear(10, 4)
+        self.moved = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        before = self.net.weight.detach().clone()
+        loss = nn.functional.cross_entropy(self.net(x).float(), y)
+        if batch_idx == 1:
+            loss = loss * float("inf")
+        self.manual_backward(loss)
+        self.optimizers().step()
+        self.moved.append(not torch.equal(before, self.net.weight))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("plugin_fn", [lambda: AmpO2Plugin(dtype="bfloat16"), lambda: AmpO0Plugin()], ids=["O2", "O0"])
+def test_grads_of_a_skipped_step_do_not_leak_into_the_next(plugin_fn, flag_timing):
+    """Without zero_grad the next backward adds to the skipped step's grads: those are dropped whether
+    the skip reaches the host before that backward (immediate) or after it (late: zeroed on the device)."""
+    model, plugin = _NoZeroGrad(), plugin_fn()
+    _fit(model, plugin, steps=4)
+    assert model.moved == [True, False, True, True]
+    assert plugin.skipped_steps == 1
 
 
 class _Regression(L.LightningModule):
@@ -540,7 +574,7 @@ def _regression_data(n=512, batch_size=32):
     return x, y, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
 
 
-def test_o2_gradient_accumulation_happens_in_fp32_masters():
+def test_o2_gradient_accumulation_happens_in_fp32_masters(flag_timing):
     """accumulate_grad_batches=2: the master grads at the step are the fp32 sum of each micro-batch's
     half grad of loss / 2 (Lightning's mean), checked against that sum in fp64; the half grads are cleared.
     A dropped micro-batch (off by ~50%) or a sum instead of a mean (2x) is far outside the tolerance."""
@@ -597,7 +631,7 @@ def test_o1_and_o2_bf16_converge_within_2_percent_of_fp32():
 
 
 @pytest.mark.parametrize("level, dtype", [("O1", "float16"), ("O2", "bfloat16")])
-def test_combine_grad_keeps_grads_in_one_flat_buffer_with_identical_results(level, dtype):
+def test_combine_grad_keeps_grads_in_one_flat_buffer_with_identical_results(level, dtype, flag_timing):
     seen = []
 
     class Probe(L.Callback):

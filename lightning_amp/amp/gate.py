@@ -92,7 +92,10 @@ class StepGate:
         self.last_skipped = False  # of the newest settled step
 
     def attach(self, optimizer: Any) -> None:
-        """Make ``optimizer``'s skip-aware schedulers consult this gate."""
+        """Make ``optimizer``'s skip-aware schedulers consult this gate, and its ``state_dict()`` settle
+        the deferred scheduler calls first (they write the ``lr`` that state holds)."""
+        if optimizer not in _GATES:
+            optimizer.register_state_dict_pre_hook(_settle_before_state_dict)
         _GATES[optimizer] = self
 
     def record(self, found_inf: Tensor, flags: Optional[Tensor] = None, context: Any = None) -> None:
@@ -160,6 +163,12 @@ class StepGate:
 
 def gate_of(optimizer: Any) -> Optional[StepGate]:
     return _GATES.get(getattr(optimizer, "_optimizer", optimizer))
+
+
+def _settle_before_state_dict(optimizer: Any) -> None:
+    gate = gate_of(optimizer)
+    if gate is not None:
+        gate.settle_deferred()
 
 
 _SKIP_AWARE: Dict[type, type] = {}
