@@ -9,6 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers.logger import Logger
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import lightning_amp
 from lightning_amp import AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, AmpPrecision, main_params
@@ -455,6 +456,20 @@ def test_fused_adamw_unscales_in_kernel_when_not_clipping():
 class _Lbfgs(Classifier):
     def configure_optimizers(self):
         return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
+
+
+def test_global_optimizer_step_hooks_run_for_optimizers_the_plugin_steps():
+    """torch's global step hooks run around every step of a plain AdamW the plugin would step with its
+    kernels (fused_update=True): the optimizer steps itself while any are registered."""
+    calls = []
+    pre = register_optimizer_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    post = register_optimizer_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    try:
+        _fit(Classifier(scheduler=False), AmpO2Plugin(dtype="bfloat16", fused_update=True), steps=3)
+    finally:
+        pre.remove()
+        post.remove()
+    assert calls == ["pre", "post"] * 3
 
 
 def test_lbfgs_with_loss_scale_is_refused_at_setup():
