@@ -23,14 +23,15 @@ def _params(seed=0):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_100_steps_equal_torch_on_fp32_masters_and_write_half_copies(name):
-    ref = [p.clone().requires_grad_() for p in _params()]
-    masters = [p.clone().requires_grad_() for p in _params()]
+    seed = torch.seed() % 2**31  # fresh inputs every run
+    ref = [p.clone().requires_grad_() for p in _params(seed)]
+    masters = [p.clone().requires_grad_() for p in _params(seed)]
     halves = [p.to(torch.bfloat16) for p in masters]
     ref_opt, opt = CASES[name](ref), CASES[name](masters)
     step = KernelStep(opt, dict(zip(masters, halves)))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.7)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=10, gamma=0.7)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed + 1)
     for i in range(100):
         for r, m in zip(ref, masters):
             r.grad = torch.randn(r.shape, generator=gen)
@@ -44,7 +45,8 @@ def test_100_steps_equal_torch_on_fp32_masters_and_write_half_copies(name):
         sched.step()
         ref_sched.step()
     for r, m, h in zip(ref, masters, halves):
-        assert (m - r).abs().max() <= 1e-6 * r.abs().max(), (m - r).abs().max()
+        # the docs' figure: 3e-7 of the largest master (measured <= 1.9e-7 over 60 seeds, SGD exact)
+        assert (m - r).abs().max() <= 3e-7 * r.abs().max(), ((m - r).abs().max() / r.abs().max(), f"seed {seed}")
         assert torch.equal(h, m.to(torch.bfloat16))  # the half copy is the master rounded once
     state, ref_state = opt.state_dict(), ref_opt.state_dict()
     assert state["state"].keys() == ref_state["state"].keys()
