@@ -18,7 +18,9 @@ Conventions shared by all ops:
 * ``found_inf`` is a 0-dim float32 tensor on the tensors' device: 0.0 when every value
   seen was finite, 1.0 otherwise. Ops that *produce* it overwrite nothing else on overflow
   that the caller would need to roll back; ops that *consume* it leave every output
-  untouched when it is non-zero.
+  untouched when it is non-zero. The pure-PyTorch fallbacks honour it without reading it on
+  the host: they update, then put back what they touched where it is set (``torch.where``, at
+  the cost of one copy of the touched tensors).
 * ``grad_scale`` is the loss scale the gradients were multiplied by (the op divides by it).
 
 The pure-PyTorch implementations are also reachable as private functions
@@ -26,11 +28,12 @@ The pure-PyTorch implementations are also reachable as private functions
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib
 import os
 import warnings
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -385,8 +388,19 @@ def _check_optim_args(
     _check_scalar_tensor(op, "found_inf", found_inf, device)
 
 
-def _skip(found_inf: Optional[Tensor]) -> bool:
-    return found_inf is not None and bool(found_inf.item() != 0)
+@contextlib.contextmanager
+def _undone_if(found_inf: Optional[Tensor], *groups: Optional[Sequence[Tensor]]) -> Iterator[None]:
+    """Run the update in the body, then put back every tensor of ``groups`` where ``found_inf`` is
+    non-zero: device ops only (a copy of the touched tensors and a ``torch.where``), no host read."""
+    if found_inf is None:
+        yield
+        return
+    tensors = [t for group in groups if group is not None for t in group]
+    saved = [t.clone() for t in tensors]
+    yield
+    skip = found_inf.reshape(()) != 0
+    for t, old in zip(tensors, saved):
+        t.copy_(torch.where(skip, old, t))
 
 
 def _unscaled_fp32(grad: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
@@ -414,46 +428,45 @@ def _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                    weight_decay, adam_w_mode, bias_correction, grad_scale, found_inf, model_copies) -> None:
     """torch's own fused Adam/AdamW kernel (same math: fp32 opmath, decoupled or L2 decay, AMSGrad)
     where it applies (bias correction on, grads convertible), else a per-tensor loop."""
-    if _skip(found_inf):
-        return
-    fused_grads = _torch_fused_grads(params, grads, grad_scale) if bias_correction else None
-    if fused_grads is not None:
-        torch._foreach_add_(list(steps), 1.0)  # torch's kernels read the already advanced step
-        fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-        fused(list(params), fused_grads, list(exp_avgs), list(exp_avg_sqs),
-              list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [], list(steps), lr=lr, beta1=beta1,
-              beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=max_exp_avg_sqs is not None, maximize=False,
-              grad_scale=grad_scale)
-        if model_copies is not None:
-            torch._foreach_copy_(list(model_copies), list(params))
-        return
-    for i, p in enumerate(params):
-        g = _unscaled_fp32(grads[i], grad_scale)
-        steps[i].add_(1)
-        step = steps[i].reshape(()).double()  # stays on the device: no host synchronisation
-        pf, m, v = p.float(), exp_avgs[i].float(), exp_avg_sqs[i].float()
-        if weight_decay != 0:
-            if adam_w_mode:
-                pf.mul_(1 - lr * weight_decay)
+    with _undone_if(found_inf, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_copies):
+        fused_grads = _torch_fused_grads(params, grads, grad_scale) if bias_correction else None
+        if fused_grads is not None:
+            torch._foreach_add_(list(steps), 1.0)  # torch's kernels read the already advanced step
+            fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+            fused(list(params), fused_grads, list(exp_avgs), list(exp_avg_sqs),
+                  list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [], list(steps), lr=lr, beta1=beta1,
+                  beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=max_exp_avg_sqs is not None, maximize=False,
+                  grad_scale=grad_scale)
+            if model_copies is not None:
+                torch._foreach_copy_(list(model_copies), list(params))
+            return
+        for i, p in enumerate(params):
+            g = _unscaled_fp32(grads[i], grad_scale)
+            steps[i].add_(1)
+            step = steps[i].reshape(()).double()  # stays on the device: no host synchronisation
+            pf, m, v = p.float(), exp_avgs[i].float(), exp_avg_sqs[i].float()
+            if weight_decay != 0:
+                if adam_w_mode:
+                    pf.mul_(1 - lr * weight_decay)
+                else:
+                    g = g.add(pf, alpha=weight_decay)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bc1 = (1 - beta1**step).float() if bias_correction else 1.0
+            bc2_sqrt = (1 - beta2**step).sqrt().float() if bias_correction else 1.0
+            if max_exp_avg_sqs is not None:
+                vmax = max_exp_avg_sqs[i].float()
+                torch.maximum(vmax, v, out=vmax)
+                _store(max_exp_avg_sqs[i], vmax)
+                denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
             else:
-                g = g.add(pf, alpha=weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bc1 = (1 - beta1**step).float() if bias_correction else 1.0
-        bc2_sqrt = (1 - beta2**step).sqrt().float() if bias_correction else 1.0
-        if max_exp_avg_sqs is not None:
-            vmax = max_exp_avg_sqs[i].float()
-            torch.maximum(vmax, v, out=vmax)
-            _store(max_exp_avg_sqs[i], vmax)
-            denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
-        else:
-            denom = (v.sqrt() / bc2_sqrt).add_(eps)
-        pf.add_((m / denom) * (-lr / bc1))
-        _store(p, pf)
-        _store(exp_avgs[i], m)
-        _store(exp_avg_sqs[i], v)
-        if model_copies is not None:
-            model_copies[i].copy_(pf)
+                denom = (v.sqrt() / bc2_sqrt).add_(eps)
+            pf.add_((m / denom) * (-lr / bc1))
+            _store(p, pf)
+            _store(exp_avgs[i], m)
+            _store(exp_avg_sqs[i], v)
+            if model_copies is not None:
+                model_copies[i].copy_(pf)
 
 
 def multi_tensor_adam(
@@ -510,34 +523,33 @@ def _sgd_fallback(params, grads, momentum_buffers, lr, momentum, dampening, weig
 
     Not for 16-bit params on the CPU: torch 2.13's CPU ``_fused_sgd_`` leaves the vectorised part
     of bf16/fp16 params unchanged (measured: 1000 ones, lr 0.1, grad 1 -> only the tail moves)."""
-    if _skip(found_inf):
-        return
-    usable = params[0].dtype == torch.float32 or params[0].is_cuda
-    fused_grads = _torch_fused_grads(params, grads, grad_scale) if usable else None
-    if fused_grads is not None:
-        torch._fused_sgd_(list(params), fused_grads, list(momentum_buffers) if momentum != 0 else [],
-                          weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
-                          nesterov=nesterov, maximize=False, is_first_step=first_run, grad_scale=grad_scale)
-        if model_copies is not None:
-            torch._foreach_copy_(list(model_copies), list(params))
-        return
-    for i, p in enumerate(params):
-        g = _unscaled_fp32(grads[i], grad_scale)
-        pf = p.float()
-        if weight_decay != 0:
-            g = g.add(pf, alpha=weight_decay)
-        if momentum != 0:
-            buf = momentum_buffers[i].float()
-            if first_run:
-                buf.copy_(g)
-            else:
-                buf.mul_(momentum).add_(g, alpha=1 - dampening)
-            _store(momentum_buffers[i], buf)
-            g = g.add(buf, alpha=momentum) if nesterov else buf
-        pf.add_(g, alpha=-lr)
-        _store(p, pf)
-        if model_copies is not None:
-            model_copies[i].copy_(pf)
+    with _undone_if(found_inf, params, momentum_buffers if momentum != 0 else None, model_copies):
+        usable = params[0].dtype == torch.float32 or params[0].is_cuda
+        fused_grads = _torch_fused_grads(params, grads, grad_scale) if usable else None
+        if fused_grads is not None:
+            torch._fused_sgd_(list(params), fused_grads, list(momentum_buffers) if momentum != 0 else [],
+                              weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+                              nesterov=nesterov, maximize=False, is_first_step=first_run, grad_scale=grad_scale)
+            if model_copies is not None:
+                torch._foreach_copy_(list(model_copies), list(params))
+            return
+        for i, p in enumerate(params):
+            g = _unscaled_fp32(grads[i], grad_scale)
+            pf = p.float()
+            if weight_decay != 0:
+                g = g.add(pf, alpha=weight_decay)
+            if momentum != 0:
+                buf = momentum_buffers[i].float()
+                if first_run:
+                    buf.copy_(g)
+                else:
+                    buf.mul_(momentum).add_(g, alpha=1 - dampening)
+                _store(momentum_buffers[i], buf)
+                g = g.add(buf, alpha=momentum) if nesterov else buf
+            pf.add_(g, alpha=-lr)
+            _store(p, pf)
+            if model_copies is not None:
+                model_copies[i].copy_(pf)
 
 
 def multi_tensor_sgd(
@@ -583,24 +595,23 @@ def multi_tensor_sgd(
 
 def _adadelta_fallback(params, grads, square_avgs, acc_deltas, steps, lr, rho, eps, weight_decay, grad_scale,
                        found_inf, model_copies) -> None:
-    if _skip(found_inf):
-        return
-    for i, p in enumerate(params):
-        g = _unscaled_fp32(grads[i], grad_scale)
-        steps[i].add_(1)
-        pf, sq, acc = p.float(), square_avgs[i].float(), acc_deltas[i].float()
-        if weight_decay != 0:
-            g = g.add(pf, alpha=weight_decay)
-        sq.mul_(rho).addcmul_(g, g, value=1 - rho)
-        std = sq.add(eps).sqrt_()
-        delta = acc.add(eps).sqrt_().div_(std).mul_(g)
-        acc.mul_(rho).addcmul_(delta, delta, value=1 - rho)
-        pf.add_(delta, alpha=-lr)
-        _store(p, pf)
-        _store(square_avgs[i], sq)
-        _store(acc_deltas[i], acc)
-        if model_copies is not None:
-            model_copies[i].copy_(pf)
+    with _undone_if(found_inf, params, square_avgs, acc_deltas, steps, model_copies):
+        for i, p in enumerate(params):
+            g = _unscaled_fp32(grads[i], grad_scale)
+            steps[i].add_(1)
+            pf, sq, acc = p.float(), square_avgs[i].float(), acc_deltas[i].float()
+            if weight_decay != 0:
+                g = g.add(pf, alpha=weight_decay)
+            sq.mul_(rho).addcmul_(g, g, value=1 - rho)
+            std = sq.add(eps).sqrt_()
+            delta = acc.add(eps).sqrt_().div_(std).mul_(g)
+            acc.mul_(rho).addcmul_(delta, delta, value=1 - rho)
+            pf.add_(delta, alpha=-lr)
+            _store(p, pf)
+            _store(square_avgs[i], sq)
+            _store(acc_deltas[i], acc)
+            if model_copies is not None:
+                model_copies[i].copy_(pf)
 
 
 def multi_tensor_adadelta(
@@ -640,36 +651,35 @@ def _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2
                    grad_scale, found_inf, model_copies) -> None:
     """Per-tensor loop (torch has no fused LAMB) with no host synchronisation inside: clip factor,
     bias corrections and trust ratios stay tensors on the device."""
-    if _skip(found_inf):
-        return
-    gnorm = global_grad_norm.reshape(())
-    clip = (gnorm / max_grad_norm).clamp_min(1.0) if max_grad_norm > 0 else 1.0
-    beta3 = 1 - beta1 if grad_averaging else 1.0
-    for i, p in enumerate(params):
-        g = _unscaled_fp32(grads[i], grad_scale) / clip
-        steps[i].add_(1)
-        step = steps[i].reshape(()).double()
-        bc1 = (1 - beta1**step).float() if bias_correction else 1.0
-        bc2 = (1 - beta2**step).float() if bias_correction else 1.0
-        pf, m, v = p.float(), exp_avgs[i].float(), exp_avg_sqs[i].float()
-        if weight_decay != 0 and not adam_w_mode:
-            g = g.add(pf, alpha=weight_decay)
-        m.mul_(beta1).add_(g, alpha=beta3)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
-        if weight_decay != 0 and adam_w_mode:
-            update.add_(pf, alpha=weight_decay)
-        if weight_decay != 0 or use_nvlamb:
-            p_norm, u_norm = torch.linalg.vector_norm(pf), torch.linalg.vector_norm(update)
-            trust = torch.where((p_norm != 0) & (u_norm != 0), p_norm / u_norm, 1.0)
-            pf.sub_(update * (trust * lr))
-        else:
-            pf.add_(update, alpha=-lr)
-        _store(p, pf)
-        _store(exp_avgs[i], m)
-        _store(exp_avg_sqs[i], v)
-        if model_copies is not None:
-            model_copies[i].copy_(pf)
+    with _undone_if(found_inf, params, exp_avgs, exp_avg_sqs, steps, model_copies):
+        gnorm = global_grad_norm.reshape(())
+        clip = (gnorm / max_grad_norm).clamp_min(1.0) if max_grad_norm > 0 else 1.0
+        beta3 = 1 - beta1 if grad_averaging else 1.0
+        for i, p in enumerate(params):
+            g = _unscaled_fp32(grads[i], grad_scale) / clip
+            steps[i].add_(1)
+            step = steps[i].reshape(()).double()
+            bc1 = (1 - beta1**step).float() if bias_correction else 1.0
+            bc2 = (1 - beta2**step).float() if bias_correction else 1.0
+            pf, m, v = p.float(), exp_avgs[i].float(), exp_avg_sqs[i].float()
+            if weight_decay != 0 and not adam_w_mode:
+                g = g.add(pf, alpha=weight_decay)
+            m.mul_(beta1).add_(g, alpha=beta3)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+            if weight_decay != 0 and adam_w_mode:
+                update.add_(pf, alpha=weight_decay)
+            if weight_decay != 0 or use_nvlamb:
+                p_norm, u_norm = torch.linalg.vector_norm(pf), torch.linalg.vector_norm(update)
+                trust = torch.where((p_norm != 0) & (u_norm != 0), p_norm / u_norm, 1.0)
+                pf.sub_(update * (trust * lr))
+            else:
+                pf.add_(update, alpha=-lr)
+            _store(p, pf)
+            _store(exp_avgs[i], m)
+            _store(exp_avg_sqs[i], v)
+            if model_copies is not None:
+                model_copies[i].copy_(pf)
 
 
 def multi_tensor_lamb(

@@ -45,12 +45,16 @@ def _fit(name: str, level: str, steps: int, seed: int = 0, **build_kwargs):
     trainer = make_trainer(level, "bfloat16", max_steps=steps, accelerator="cpu")
     losses = []
 
+    initial = {}
+
     class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module):  # after the cast: the cast alone moves nothing
+            initial.update({k: v.detach().float().clone() for k, v in pl_module.named_parameters()})
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(outputs["loss"]))
 
     trainer.callbacks.append(Record())
-    initial = {k: v.detach().float().clone() for k, v in example.module.named_parameters()}
     trainer.fit(example.module, train_dataloaders=example.train_dataloader)
     return example.module, trainer, losses, initial
 

@@ -23,13 +23,14 @@ def _params(seed=0):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_100_steps_equal_torch_on_fp32_params(name):
-    ref = [p.clone().requires_grad_() for p in _params()]
-    masters = [p.clone().requires_grad_() for p in _params()]
+    seed = torch.seed() % 2**31  # fresh inputs every run
+    ref = [p.clone().requires_grad_() for p in _params(seed)]
+    masters = [p.clone().requires_grad_() for p in _params(seed)]
     ref_opt, opt = CASES[name](ref), CASES[name](masters)
     step = KernelStep(opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.7)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=10, gamma=0.7)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed + 1)
     for i in range(100):
         for r, m in zip(ref, masters):
             r.grad = torch.randn(r.shape, generator=gen)
@@ -43,7 +44,8 @@ def test_100_steps_equal_torch_on_fp32_params(name):
         sched.step()
         ref_sched.step()
     for r, m in zip(ref, masters):
-        assert (m - r).abs().max() <= 1e-6 * r.abs().max(), (m - r).abs().max()
+        # the docs' figure: 3e-7 of the largest param (measured <= 1.9e-7 over 60 seeds, SGD exact)
+        assert (m - r).abs().max() <= 3e-7 * r.abs().max(), ((m - r).abs().max() / r.abs().max(), f"seed {seed}")
     state, ref_state = opt.state_dict(), ref_opt.state_dict()
     assert state["state"].keys() == ref_state["state"].keys()
     for key, value in state["state"][0].items():

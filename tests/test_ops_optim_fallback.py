@@ -3,7 +3,8 @@ where they apply, per-tensor loops elsewhere) against the compiled kernels, on t
 
 Each case runs three steps on the same fresh random inputs through the extension and through
 the fallback (``ops._EXT`` switched off), with a loss scale to divide out, then a step with
-found_inf set that must change nothing. fp32 params and state agree to 1e-6 (norm-wise relative over each list:
+found_inf set that must change nothing (params, state, steps and model copies; the fallback without
+reading the flag on the host). fp32 params and state agree to 1e-6 (norm-wise relative over each list:
 a few fp32 roundings of different operation orders); 16-bit ones to one 16-bit eps (the paths
 round the same fp32 update, but its last fp32 bit may differ and flip a 16-bit rounding).
 """
@@ -23,6 +24,10 @@ def _lists(n_lists, dtype, seed):
     return [[torch.randn(s, generator=gen).to(dtype) for s in SHAPES] for _ in range(n_lists)]
 
 
+def _host_read(*args, **kwargs):
+    raise AssertionError("host read of a tensor inside the fallback")
+
+
 def _run(op, state_names, kwargs, pdtype, gdtype, copies, use_ext, monkeypatch, seed):
     """Three steps (grad_scale 4) plus one skipped step; returns every tensor the op may write."""
     params, *states = _lists(1 + len(state_names), pdtype, seed)
@@ -39,11 +44,15 @@ def _run(op, state_names, kwargs, pdtype, gdtype, copies, use_ext, monkeypatch, 
             args = dict(kwargs, grad_scale=torch.tensor(4.0), found_inf=found_inf, model_copies=model_copies)
             if steps is not None:
                 args["steps"] = steps
-            before = [t.clone() for t in params + sum(states, [])]
-            op(params, grads, *states, **args)
+            written = params + sum(states, []) + (steps or []) + (model_copies or [])
+            before = [t.clone() for t in written]
+            with monkeypatch.context() as no_reads:
+                if not use_ext:  # the fallback honours found_inf on the device: a host read raises
+                    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+                        no_reads.setattr(torch.Tensor, name, _host_read)
+                op(params, grads, *states, **args)
             if step == 3:
-                after = params + sum(states, [])
-                assert all(torch.equal(a, b) for a, b in zip(before, after)), "found_inf step changed a tensor"
+                assert all(torch.equal(a, b) for a, b in zip(before, written)), "found_inf step changed a tensor"
     return params, states, steps, model_copies
 
 
@@ -89,6 +98,7 @@ def test_fallback_matches_extension(case, dtypes, monkeypatch):
     if ext[2] is not None:
         assert all(torch.equal(x, y) for x, y in zip(ext[2], ref[2]))
         assert all(x.item() == 3.0 for x in ext[2]), "steps advance once per applied step"
-    if ext[3] is not None:
-        for copy, master in zip(ref[3], ref[0]):
-            assert torch.equal(copy, master.to(torch.bfloat16))
+    if ext[3] is not None:  # both paths write the copies: their masters rounded to bf16
+        for result in (ext, ref):
+            for copy, master in zip(result[3], result[0]):
+                assert torch.equal(copy, master.to(torch.bfloat16))

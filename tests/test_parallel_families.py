@@ -7,6 +7,7 @@ per-step loss must equal the single-device run's and the gathered checkpoint mus
 checkpoint; the checkpoint taken mid-run resumes at TP=2 and at TP=1 onto the uninterrupted run. Plan
 validation (what is refused, before anything changes) is checked in-process.
 """
+import importlib.util
 import json
 import os
 
@@ -17,20 +18,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-transformers = pytest.importorskip("transformers")
+import lightning_amp  # noqa: F401  (registers "tp_fused")
+from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_amp.parallel.plan import build_plan
+from lightning_amp.parallel.strategy import TensorParallelStrategy
+from _net import free_port
 
-import lightning_amp  # noqa: E402,F401  (registers "tp_fused")
-from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from lightning_amp.parallel.plan import build_plan  # noqa: E402
-from lightning_amp.parallel.strategy import TensorParallelStrategy  # noqa: E402
-from _net import free_port  # noqa: E402
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="the `transformers` families need `transformers`")
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, FFN, BATCH, STEPS, MIDWAY = 64, 16, 32, 2, 4, 64, 4, 6, 3
 FAMILIES = ("bert", "roberta", "gpt2", "llama", "mistral", "demo")
 
 
-def hf_models():
-    """name -> a tiny ``transformers`` model with random weights and no dropout (its forward takes labels)."""
+def hf_models(names=FAMILIES):
+    """name -> a tiny ``transformers`` model with random weights and no dropout (its forward takes labels),
+    for the ``transformers`` families among ``names`` (none: no import)."""
+    if not set(names) - {"demo"}:
+        return {}
     from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                               MistralConfig, MistralForCausalLM, RobertaConfig, RobertaForMaskedLM)
 
@@ -39,7 +44,7 @@ def hf_models():
                 attention_probs_dropout_prob=0.0)
     llama = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                  num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=SEQ)
-    return {
+    models = {
         "bert": BertForMaskedLM(BertConfig(**bert)),
         "roberta": RobertaForMaskedLM(RobertaConfig(**bert, pad_token_id=1)),
         "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
@@ -47,6 +52,7 @@ def hf_models():
         "llama": LlamaForCausalLM(LlamaConfig(**llama)),
         "mistral": MistralForCausalLM(MistralConfig(**llama, sliding_window=None)),
     }
+    return {name: model for name, model in models.items() if name in names}
 
 
 class Zoo(pl.LightningModule):
@@ -58,11 +64,18 @@ class Zoo(pl.LightningModule):
 
         torch.manual_seed(0)
         self.out_dir, self.lr = out_dir, lr
-        self.families = nn.ModuleDict(hf_models())
+        self.families = nn.ModuleDict(hf_models(names))
         self.families["demo"] = Transformer(vocab_size=VOCAB, ninp=HIDDEN, nhead=HEADS, nhid=FFN, nlayers=LAYERS, dropout=0.0)
         for name in set(FAMILIES) - set(names):
             del self.families[name]
         self.losses = {name: [] for name in self.families}
+        self.converted = {}
+
+    def on_train_start(self):
+        """Per family, how many Linear layers the strategy made column- and row-parallel (this rank)."""
+        self.converted = {name: [sum(isinstance(m, kind) for m in family.modules())
+                                 for kind in (ColumnParallelLinear, RowParallelLinear)]
+                          for name, family in self.families.items()}
 
     def setup(self, stage):
         if self.trainer.world_size > 1:  # 2 ranks on 2 shared cores: do not oversubscribe
@@ -98,6 +111,8 @@ class Zoo(pl.LightningModule):
             if self.trainer.is_global_zero:
                 with open(os.path.join(self.out_dir, "losses.json"), "w") as f:
                     json.dump(self.losses, f)
+                with open(os.path.join(self.out_dir, "converted.json"), "w") as f:
+                    json.dump(self.converted, f)
 
 
 def data():
@@ -131,9 +146,15 @@ def state_diff(got: dict, ref: dict, prefix: str) -> float:
     return max((got[k] - ref[k]).abs().max().item() for k in keys) / scale
 
 
+@needs_transformers
 def test_families_tp2_match_single_device_checkpoints_and_resume(tmp_path):
     ref, _ = fit(tmp_path / "single", "auto", 1)
     tp2, returned = fit(tmp_path / "tp2", TensorParallelStrategy(start_method="spawn"), 2)
+    with open(tmp_path / "tp2" / "converted.json") as f:
+        converted = json.load(f)
+    assert set(converted) == set(FAMILIES)
+    for name, (columns, rows) in converted.items():  # else the equality below proves nothing for it
+        assert columns > 0 and rows > 0, f"{name}: {columns} column- and {rows} row-parallel layers at TP=2"
     ref_state = torch.load(tmp_path / "single" / "final.ckpt", weights_only=False)["state_dict"]
     tp_state = torch.load(tmp_path / "tp2" / "final.ckpt", weights_only=False)["state_dict"]
     assert set(tp_state) == set(ref_state)  # the original key layout (Conv1D, in_proj, head attrs untouched)
@@ -177,6 +198,7 @@ def _o2_trains(tmp_path, names):
         assert values[-1] < values[0], f"{name} did not train under O2 bf16: {values}"
 
 
+@needs_transformers
 def test_transformers_families_tp2_bf16_o2_train(tmp_path):
     """TP=2 with AmpO2Plugin(bfloat16): every ``transformers`` family trains (finite losses that fall)."""
     _o2_trains(tmp_path, FAMILIES[:-1])
@@ -193,6 +215,7 @@ def _names(units, kind):
     return sorted(n for u in units for n in getattr(u, kind))
 
 
+@needs_transformers
 def test_auto_plan_finds_each_family_layout():
     models = hf_models()
     bert = build_plan(models["bert"], "auto", 2).units
@@ -208,6 +231,7 @@ def test_auto_plan_finds_each_family_layout():
     assert _names(llama, "rows") == sorted(f"model.layers.{i}.{n}" for i in range(LAYERS) for n in ("self_attn.o_proj", "mlp.down_proj"))
 
 
+@needs_transformers
 def test_plan_refuses_what_cannot_be_split_and_changes_nothing():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -222,6 +246,11 @@ def test_plan_refuses_what_cannot_be_split_and_changes_nothing():
     # an explicit plan whose row layer would get a full key/value where it expects shards
     with pytest.raises(ValueError, match=r"attention\.self\.key \(column\)"):
         build_plan(bert, {"*.attention.self.query": "column", "*.attention.output.dense": "row"}, 2)
+    assert all(torch.equal(before[k], v) for k, v in gqa.state_dict().items())
+    assert not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in gqa.modules())
+
+
+def test_plan_refuses_plain_torch_layouts_it_cannot_split():
     with pytest.raises(ValueError, match=r"\['1'\] belong to a nn.Sequential MLP unit .*'0 \(column\)'"):
         build_plan(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), {"1": "row"}, 2)
     with pytest.raises(ValueError, match=r"row-parallel \['2'\] in 'the model' have no column-parallel partner"):
@@ -232,5 +261,3 @@ def test_plan_refuses_what_cannot_be_split_and_changes_nothing():
         build_plan(convs, "auto", 2)
     assert build_plan(convs, "auto", 2, allow_replicated=True).units == []
     assert build_plan(convs, "auto", 1).units == []  # TP=1: pure data parallel, nothing to split is fine
-    assert all(torch.equal(before[k], v) for k, v in gqa.state_dict().items())
-    assert not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in gqa.modules())

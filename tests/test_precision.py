@@ -9,6 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers.logger import Logger
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import lightning_amp
 from lightning_amp import AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, AmpPrecision, main_params
@@ -242,7 +243,7 @@ def _same(a, b):
     ],
     ids=["O2-fp16-dynamic", "O1-bf16-static", "O0", "O3-bf16"],
 )
-def test_nonfinite_grad_skips_step_and_holds_scheduler(monkeypatch, caplog, plugin_fn, value, scale_after):
+def test_nonfinite_grad_skips_step_and_holds_scheduler(monkeypatch, caplog, plugin_fn, value, scale_after, flag_timing):
     monkeypatch.setattr(engine_module, "OVERFLOW_WARN_AFTER", 2)
     model = Classifier(inject_at=(2, 3), inject_value=value)
     plugin = plugin_fn()
@@ -251,12 +252,20 @@ def test_nonfinite_grad_skips_step_and_holds_scheduler(monkeypatch, caplog, plug
         with pytest.warns(UserWarning, match=r"2 optimizer steps in a row skipped.*net\.0\.weight"):
             trainer = _fit(model, plugin, steps=6, callbacks=[snaps], logger=collect, log_every_n_steps=1)
 
+    # a late flag defers the scheduler call after step s into step s + 1 (before that step's kernels)
+    shown = 0 if flag_timing == "immediate" else 1
+
+    def sched_moves(step):
+        return snaps.after[step + shown]["sched"][0] - snaps.before[step + shown]["sched"][0]
+
     for step in (2, 3):  # skipped: nothing moved
-        assert _same(snaps.before[step], snaps.after[step]), f"step {step} changed state"
+        for key in ("model", "main", "state"):
+            assert _same(snaps.before[step][key], snaps.after[step][key]), f"step {step} changed {key}"
+        assert sched_moves(step) == 0
     for step in (1, 4):  # clean steps do move params, optimizer state and the LR
         assert not _same(snaps.before[step]["main"], snaps.after[step]["main"])
         assert not _same(snaps.before[step]["state"], snaps.after[step]["state"])
-        assert snaps.after[step]["sched"][0] == snaps.before[step]["sched"][0] + 1
+        assert sched_moves(step) == 1
     assert plugin.skipped_steps == 2
     assert plugin.last_nonfinite_params == ["net.0.weight"]
     assert plugin.loss_scale == scale_after
@@ -266,8 +275,48 @@ def test_nonfinite_grad_skips_step_and_holds_scheduler(monkeypatch, caplog, plug
 
     logged = {step: row for step, row in collect.rows if "amp/skipped_steps" in row}
     assert sorted(logged) == list(range(6))
-    assert [logged[s]["amp/skipped_steps"] for s in range(6)] == [0, 0, 1, 2, 2, 2]
+    # the logged count is of the flags settled by then: a late device reports each skip one step later
+    settled = [0, 0, 1, 2, 2, 2] if flag_timing == "immediate" else [0, 0, 0, 1, 2, 2]
+    assert [logged[s]["amp/skipped_steps"] for s in range(6)] == settled
     assert logged[5]["amp/loss_scale"] == scale_after
+
+
+def test_clean_step_after_a_late_skip_is_not_dropped(flag_timing):
+    """O2 bf16, SGD, a per-step LR scheduler, inf at step 2 of 6: only step 2 is skipped, also when its
+    flag lands after step 3's backward (the skip once cleared step 3's grads: step 3 silently dropped)."""
+    model = Classifier(inject_at=(2,), sgd=True)
+    plugin, snaps = AmpO2Plugin(dtype="bfloat16"), _Snapshots()
+    trainer = _fit(model, plugin, steps=6, callbacks=[snaps])
+    moved = [not _same(snaps.before[s]["main"], snaps.after[s]["main"]) for s in range(6)]
+    assert moved == [True, True, False, True, True, True]
+    assert plugin.skipped_steps == 1 and plugin.last_nonfinite_params == ["net.0.weight"]
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 5
+
+
+def test_late_flag_reports_the_params_of_its_own_step():
+    """Names, scale and overflow count of a skip come from its own step even when the flag lands after
+    later steps (skips at steps 1 and 2 in different params, flags held back 3 steps)."""
+    from lightning_amp.amp.gate import simulate_device_lag
+
+    class TwoFaults(Classifier):
+        def on_after_backward(self):
+            if self.global_step == 1:
+                self.net[0].weight.grad[0, 0] = float("inf")
+            if self.global_step == 2:
+                self.net[3].bias.grad[0] = float("nan")
+
+    seen = []
+    with simulate_device_lag(3):
+        plugin = AmpO2Plugin(dtype="float16", init_scale=2.0**10)
+        engine, original = plugin._engine, plugin._engine._on_skip
+        engine._on_skip = lambda state, report: (seen.append((state.scaler.steps, report)), original(state, report))
+        _fit(TwoFaults(scheduler=False), plugin, steps=6)
+    assert [steps for steps, _ in seen] == [5, 6]  # landed 3 steps late
+    seen = [report for _, report in seen]
+    assert plugin.skipped_steps == 2
+    assert [[engine.param_names[p][0] for p in r.params] for r in seen] == [["net.0.weight"], ["net.3.bias"]]
+    assert plugin.last_nonfinite_params == ["net.3.bias"]
+    assert [(r.loss_scale, r.overflows_in_a_row) for r in seen] == [(2.0**9, 1), (2.0**8, 2)]
 
 
 def test_skip_aware_scheduler_keeps_type_state_and_pickles():
@@ -278,7 +327,7 @@ def test_skip_aware_scheduler_keeps_type_state_and_pickles():
     precision_module.make_scheduler_skip_aware(sched)
     precision_module.make_scheduler_skip_aware(sched)
     assert isinstance(sched, torch.optim.lr_scheduler.StepLR) and sched.state_dict().keys() == plain_state.keys()
-    gate = StepGate(on_skip=lambda: None)
+    gate = StepGate(on_skip=lambda *_: None)
     gate.attach(opt)
     gate.record(torch.tensor(1.0))  # a skipped step
     sched.step()
@@ -289,10 +338,10 @@ def test_skip_aware_scheduler_keeps_type_state_and_pickles():
     assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.5
     restored = pickle.loads(pickle.dumps(sched))
     assert type(restored) is type(sched) and restored.last_epoch == 1
-    StepGate(on_skip=lambda: None).attach(restored.optimizer)
+    StepGate(on_skip=lambda *_: None).attach(restored.optimizer)
     restored.step()  # a gate that recorded nothing: the step goes ahead
     assert restored.last_epoch == 2
-    again = StepGate(on_skip=lambda: None)
+    again = StepGate(on_skip=lambda *_: None)
     again.attach(restored.optimizer)
     again.record(torch.tensor(float("nan")))
     restored.step()
@@ -313,7 +362,7 @@ def _skip_aware_sgd_with_late_gate():
     opt = torch.optim.SGD([nn.Parameter(torch.randn(3))], lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     precision_module.make_scheduler_skip_aware(sched)
-    gate = _LateGate(on_skip=lambda: None)
+    gate = _LateGate(on_skip=lambda *_: None)
     gate.attach(opt)
     return opt, sched, gate
 
@@ -407,6 +456,20 @@ class _Lbfgs(Classifier):
         return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
 
 
+def test_global_optimizer_step_hooks_run_for_optimizers_the_plugin_steps():
+    """torch's global step hooks run around every step of a plain AdamW the plugin would step with its
+    kernels (fused_update=True): the optimizer steps itself while any are registered."""
+    calls = []
+    pre = register_optimizer_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    post = register_optimizer_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    try:
+        _fit(Classifier(scheduler=False), AmpO2Plugin(dtype="bfloat16", fused_update=True), steps=3)
+    finally:
+        pre.remove()
+        post.remove()
+    assert calls == ["pre", "post"] * 3
+
+
 def test_lbfgs_with_loss_scale_is_refused_at_setup():
     with pytest.raises(ValueError, match=r"optimizers\[0\] \(LBFGS\)"):
         _fit(_Lbfgs(), AmpO2Plugin(dtype="float16"), steps=1)
@@ -453,7 +516,7 @@ class _TwoOptimizers(L.LightningModule):
         return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.Adam(self.b.parameters(), lr=1e-2)
 
 
-def test_manual_optimization_two_optimizers_have_separate_scalers():
+def test_manual_optimization_two_optimizers_have_separate_scalers(flag_timing):
     model = _TwoOptimizers(inject_at=1)
     plugin = AmpO2Plugin(dtype="float16", init_scale=2.0**10)
     trainer = _fit(model, plugin, steps=6)  # 3 batches x 2 optimizers
@@ -463,6 +526,40 @@ def test_manual_optimization_two_optimizers_have_separate_scalers():
     assert [len(s) for s in (plugin.state_dict()["loss_scalers"],)] == [2]
     assert all(p.dtype == torch.float32 for opt in trainer.optimizers for p in main_params(opt))
     assert list(main_params(trainer.optimizers[0])) == [model.a.weight, model.a.bias]
+
+
+class _NoZeroGrad(L.LightningModule):
+    """Manual optimization that never zeroes grads; the backward of step 1 writes an inf."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.net = nn.Linear(10, 4)
+        self.moved = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        before = self.net.weight.detach().clone()
+        loss = nn.functional.cross_entropy(self.net(x).float(), y)
+        if batch_idx == 1:
+            loss = loss * float("inf")
+        self.manual_backward(loss)
+        self.optimizers().step()
+        self.moved.append(not torch.equal(before, self.net.weight))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("plugin_fn", [lambda: AmpO2Plugin(dtype="bfloat16"), lambda: AmpO0Plugin()], ids=["O2", "O0"])
+def test_grads_of_a_skipped_step_do_not_leak_into_the_next(plugin_fn, flag_timing):
+    """Without zero_grad the next backward adds to the skipped step's grads: those are dropped whether
+    the skip reaches the host before that backward (immediate) or after it (late: zeroed on the device)."""
+    model, plugin = _NoZeroGrad(), plugin_fn()
+    _fit(model, plugin, steps=4)
+    assert model.moved == [True, False, True, True]
+    assert plugin.skipped_steps == 1
 
 
 class _Regression(L.LightningModule):
@@ -490,7 +587,7 @@ def _regression_data(n=512, batch_size=32):
     return x, y, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
 
 
-def test_o2_gradient_accumulation_happens_in_fp32():
+def test_o2_gradient_accumulation_happens_in_fp32(flag_timing):
     """accumulate_grad_batches=2: the params' grads at the step are fp32 and the sum of each micro-batch's
     half grad of loss / 2 (Lightning's mean, forward on the half copies), checked against that sum in fp64.
     A dropped micro-batch (off by ~50%) or a sum instead of a mean (2x) is far outside the tolerance."""
@@ -528,18 +625,20 @@ def test_o2_gradient_accumulation_happens_in_fp32():
 
 
 def test_o1_and_o2_bf16_converge_within_2_percent_of_fp32():
+    """The reference is Lightning's own fp32 training (``32-true``, no plugin): none of our step runs in it."""
     x, y, loader = _regression_data(batch_size=64)
 
     def final_loss(plugin):
         model = _Regression()
-        trainer = _fit(model, plugin, steps=40, data=loader, max_epochs=-1)
+        ours = {} if plugin is not None else dict(plugins=[], precision="32-true")
+        trainer = _fit(model, plugin, steps=40, data=loader, max_epochs=-1, **ours)
         fp32 = _Regression()
         with torch.no_grad():
             for p, m in zip(fp32.parameters(), main_params(trainer.optimizers[0])):
                 p.copy_(m)
             return nn.functional.mse_loss(fp32(x), y).item()
 
-    reference = final_loss(AmpO0Plugin())
+    reference = final_loss(None)
     untrained = nn.functional.mse_loss(_Regression()(x), y).item()
     assert reference < 0.6 * untrained  # it did learn something
     for plugin in (AmpO1Plugin(dtype="bfloat16"), AmpO2Plugin(dtype="bfloat16")):
@@ -548,7 +647,7 @@ def test_o1_and_o2_bf16_converge_within_2_percent_of_fp32():
 
 
 @pytest.mark.parametrize("level, dtype", [("O1", "float16"), ("O2", "bfloat16")])
-def test_combine_grad_keeps_grads_in_one_flat_buffer_with_identical_results(level, dtype):
+def test_combine_grad_keeps_grads_in_one_flat_buffer_with_identical_results(level, dtype, flag_timing):
     seen = []
 
     class Probe(L.Callback):

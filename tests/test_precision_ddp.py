@@ -33,7 +33,7 @@ def _run(out_dir: Path, devices: int) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_ddp_inf_on_one_rank_skips_everywhere_and_accumulates_in_fp32(tmp_path):
+def test_ddp_inf_on_one_rank_skips_everywhere_and_accumulates_in_fp32(tmp_path, flag_timing):
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
     ddp_dir.mkdir()
     single_dir.mkdir()

@@ -34,8 +34,19 @@ class _Net(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def _inside_package(frame) -> bool:
+    """Whether lightning_amp code is anywhere on the stack of ``frame`` (our step, or code it calls:
+    torch, Lightning or the user's hooks and closure)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_PACKAGE):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _NoReads(L.Callback):
-    """From step ``after`` on, record every host read of a tensor made directly by lightning_amp code."""
+    """From step ``after`` on, record every host read of a tensor made while lightning_amp code runs,
+    by any caller (a read inside torch or Lightning code called from our step counts too)."""
 
     def __init__(self, after=2):
         self.after, self.calls, self._saved = after, [], {}
@@ -48,9 +59,9 @@ class _NoReads(L.Callback):
             self._saved[name] = original
 
             def spy(tensor, *args, _name=name, _original=original, **kwargs):
-                caller = sys._getframe(1).f_code.co_filename
-                if caller.startswith(_PACKAGE):
-                    self.calls.append(f"{_name} from {caller}:{sys._getframe(1).f_lineno}")
+                caller = sys._getframe(1)
+                if _inside_package(caller):
+                    self.calls.append(f"{_name} from {caller.f_code.co_filename}:{caller.f_lineno}")
                 return _original(tensor, *args, **kwargs)
 
             setattr(torch.Tensor, name, spy)

@@ -89,14 +89,22 @@ def test_ceiling_clamps_growth():
     assert run(t, [0, 0, 0, 1, 0]) == [90.0, 100.0, 100.0, 50.0, 100.0]
 
 
-def test_init_scale_is_clamped_into_bounds():
-    assert LossScaler(init_scale=2.0**30).scale == 2.0**24
-    assert LossScaler(init_scale=0.5).scale == 1.0
-    assert LossScaler(init_scale=2.0**16, max_loss_scale=1024.0).scale == 1024.0
+@pytest.mark.parametrize("kwargs, bound", [
+    (dict(init_scale=2.0**30), "16777216.0"),  # above the default ceiling 2**24
+    (dict(init_scale=2.0**16, max_loss_scale=1024.0), "1024.0"),
+    (dict(init_scale=0.5), "1.0"),  # below the default floor
+    (dict(init_scale=2.0, min_loss_scale=4.0), "4.0"),
+])
+def test_init_scale_outside_the_bounds_raises_naming_both(kwargs, bound):
+    with pytest.raises(ValueError, match=rf"`init_scale` \({kwargs['init_scale']}\).*`min_loss_scale`, `max_loss_scale`.*{bound}"):
+        LossScaler(**kwargs)
+    assert LossScaler(init_scale=1024.0, max_loss_scale=1024.0).scale == 1024.0  # the bounds themselves are fine
+    with pytest.raises(ValueError, match="init_scale"):  # also for a static scale: "auto" may be dynamic elsewhere
+        LossScaler(loss_scale=128.0, init_scale=2.0**30)
 
 
 def test_static_scale_never_changes_but_counts_overflows():
-    s = LossScaler(loss_scale=128.0, init_scale=4.0, growth_interval=1, min_loss_scale=1.0, max_loss_scale=2.0)
+    s = LossScaler(loss_scale=128.0, init_scale=4.0, growth_interval=1, min_loss_scale=1.0, max_loss_scale=8.0)
     assert not s.dynamic
     assert run(s, [0, 0, 1, 1, 0, 1]) == [128.0] * 6
     assert s.total_overflows == 3 and s.overflows_in_a_row == 1 and s.inv_scale == 1 / 128.0
@@ -138,7 +146,7 @@ def test_load_state_dict_static_keeps_its_scale_dynamic_clamps():
     static = LossScaler(loss_scale=64.0)
     static.load_state_dict(donor.state_dict())
     assert static.scale == 64.0 and static.total_overflows == 1 and static.steps == 2
-    capped = LossScaler(max_loss_scale=2.0**10)
+    capped = LossScaler(init_scale=2.0**10, max_loss_scale=2.0**10)
     capped.load_state_dict(donor.state_dict())
     assert capped.scale == 2.0**10
     from_static = LossScaler()

@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_amp.amp.levels import AmpProperties
 from lightning_amp.amp.master import param_name
 from lightning_amp.amp.scaler import LossScaler
-from lightning_amp.amp.step import OptimizerStep
+from lightning_amp.amp.step import OptimizerStep, SkipReport
 
 log = logging.getLogger(__name__)
 
@@ -159,19 +159,20 @@ class AmpEngine:
             state.rebase(scale, shared=len(candidates) > 1)
         return scale
 
-    def _on_skip(self, state: OptimizerStep) -> None:
-        """A skipped step reached the host: name the params, log, warn every OVERFLOW_WARN_AFTER in a row."""
-        names = [param_name(self.param_names, p) for p in state.nonfinite_params()]
+    def _on_skip(self, state: OptimizerStep, report: SkipReport) -> None:
+        """A skipped step reached the host (possibly steps later): name its non-finite params, log, warn
+        every OVERFLOW_WARN_AFTER in a row, all from that step's ``report``."""
+        names = [param_name(self.param_names, p) for p in report.params]
         self.last_nonfinite_params = names
         index = self._states.index(state)
-        in_a_row = state.scaler.overflows_in_a_row
+        in_a_row = report.overflows_in_a_row
         log.debug("lightning_amp: optimizer %d step skipped for non-finite gradients (loss scale %s); params: %s",
-                  index, state.scaler.scale, ", ".join(names) or "<on another rank>")
+                  index, report.loss_scale, ", ".join(names) or "<on another rank>")
         if in_a_row % OVERFLOW_WARN_AFTER == 0:
             shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
             self.warn(
                 f"lightning_amp: {in_a_row} optimizer steps in a row skipped for non-finite gradients "
-                f"(optimizer {index}, loss scale {state.scaler.scale}); non-finite grads in: {shown or 'another rank'}"
+                f"(optimizer {index}, loss scale {report.loss_scale}); non-finite grads in: {shown or 'another rank'}"
             )
 
     def load_scaler_states(self, state_dict: Dict[str, Any]) -> None:

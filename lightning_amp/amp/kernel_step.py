@@ -8,8 +8,9 @@ Which optimizers (:func:`supports`): the class is exactly ``torch.optim.Adam``, 
 ``SGD`` (subclasses may override ``step``), not ``fused=True`` (those unscale in their own
 kernel), and every group has a float ``lr`` and ``betas``, ``maximize=False`` and
 ``differentiable=False``; Adam's ``amsgrad`` and ``decoupled_weight_decay``, SGD's momentum,
-dampening, nesterov and weight decay are supported; an optimizer with step pre/post hooks
-steps itself (the hooks run). Anything else steps itself. The rule is
+dampening, nesterov and weight decay are supported; an optimizer with step pre/post hooks (its
+own, or torch's global ones, looked at on every step) steps itself (the hooks run). Anything else
+steps itself. The rule is
 checked whenever the plan is (re)built and its inputs on every step (a group edit that leaves
 the rule makes the optimizer step itself from then on).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 
 from lightning_amp import ops
@@ -48,10 +50,18 @@ def _group_supported(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) ->
     return all(isinstance(b, (float, int)) for b in group["betas"])
 
 
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Step pre/post hooks would run around ``optimizer.step()``: its own, or torch's global ones
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook``)."""
+    return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None)
+                or getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+                or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+
+
 def supports(optimizer: torch.optim.Optimizer) -> bool:
     """Whether :class:`KernelStep` can step ``optimizer`` (the rule in the module docstring; an
-    optimizer with step pre/post hooks registered steps itself, so the hooks run)."""
-    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+    optimizer with step pre/post hooks, its own or global, steps itself, so the hooks run)."""
+    if has_step_hooks(optimizer):
         return False
     return type(optimizer) in KERNEL_CLASSES and all(_group_supported(optimizer, g) for g in optimizer.param_groups)
 
@@ -94,6 +104,8 @@ class KernelStep:
 
     def usable(self) -> bool:
         """True when this step can run through the kernels (the plan is rebuilt here if needed)."""
+        if has_step_hooks(self.optimizer):  # registered since the plan was built: the hooks must run
+            return False
         signature = self._current_signature()
         if signature != self._signature:
             if not supports(self.optimizer):

@@ -23,8 +23,9 @@ clean step: after ``hysteresis`` overflows every further overflow backs off at o
 ``growth_interval`` clean steps in a row have passed. ``overflows_in_a_row`` (reset by any
 clean step) is kept separately for observability.
 
-Decisions: ``init_scale`` outside ``[min_loss_scale, max_loss_scale]`` is clamped into it
-(so lowering ``max_loss_scale`` alone is enough); a static scale ignores the bounds and
+Decisions: ``init_scale`` outside ``[min_loss_scale, max_loss_scale]`` is a ValueError naming
+both, never silently clamped (checked for a static scale too, whose level may resolve to dynamic
+on another device); a static scale ignores the bounds and
 ``init_scale`` and never changes, but still counts overflows.
 """
 from __future__ import annotations
@@ -59,7 +60,7 @@ class LossScaler:
 
     Args:
         loss_scale: a positive float for a static scale, or "dynamic".
-        init_scale: first dynamic scale (clamped into [min_loss_scale, max_loss_scale]).
+        init_scale: first dynamic scale, within [min_loss_scale, max_loss_scale] (else ValueError).
         growth_factor: > 1; the scale is multiplied by it after ``growth_interval`` clean steps.
         backoff_factor: in (0, 1); the scale is multiplied by it on a counted overflow.
         growth_interval: integer >= 1, clean steps in a row before growing.
@@ -101,6 +102,11 @@ class LossScaler:
             )
 
         self.dynamic = spec == "dynamic"
+        if not min_scale <= init_scale <= max_scale:  # static too: the same arguments must work on every device
+            raise ValueError(
+                f"`init_scale` ({init_scale}) must lie within [`min_loss_scale`, `max_loss_scale`] = "
+                f"[{min_scale}, {max_scale}] (the default floor is 1.0): pass an `init_scale` inside the bounds"
+            )
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.min_loss_scale = min_scale
@@ -108,7 +114,7 @@ class LossScaler:
         #: the static scale as a Python float (None when dynamic): known on the host, never changes
         self.static_scale: Optional[float] = None if self.dynamic else spec
         self.steps = 0  # updates so far (host-side: every update is counted without reading the flag)
-        scale = min(max(init_scale, min_scale), max_scale) if self.dynamic else spec
+        scale = init_scale if self.dynamic else spec
         self._set_state(scale, 0, self.hysteresis, 0, 0, torch.device("cpu"))
 
     def _set_state(self, scale: float, growth: int, hyst: int, in_a_row: int, total: int, device) -> None:
@@ -145,6 +151,11 @@ class LossScaler:
     def inv_scale(self) -> float:
         """1 / scale: the factor that unscales gradients."""
         return 1.0 / self.scale
+
+    def report_tensor(self) -> Tensor:
+        """``[scale, overflows in a row]`` as a new 1-dim fp32 tensor on :attr:`device` (no host read):
+        what a skipped step's report copies to the host with its flag."""
+        return torch.stack([self._scale32, self._counters[2].float()])
 
     @property
     def growth_tracker(self) -> int:

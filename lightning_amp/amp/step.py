@@ -27,7 +27,7 @@ Host work per step is O(1) calls over cached lists plus a few list comprehension
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from torch import Tensor
 from lightning_amp.amp.flat import FlatGradBuffer
 from lightning_amp.amp.gate import StepGate
 from lightning_amp.amp.kernel_step import KernelStep, supports
-from lightning_amp.amp.master import nonfinite_flags, optimizer_grads, optimizer_params
+from lightning_amp.amp.master import optimizer_grads, optimizer_params
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.optimizers.base import FusedOptimizer
 
@@ -64,11 +64,13 @@ class OptimizerStep:
         scaler: this optimizer's :class:`LossScaler` (moved to the params' device).
         combine_grad: the stepped params' grads are views into one :class:`FlatGradBuffer`.
         fused_update: step plain torch Adam/AdamW/SGD with the fused kernels (``kernel`` driver).
-        on_skip: called with this object once per skipped step, when the host learns of it.
+        on_skip: called with this object and the step's :class:`SkipReport` once per skipped step,
+            when the host learns of it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: LossScaler, combine_grad: bool = False, fused_update: bool = True,
-                 on_skip: Optional[Callable[["OptimizerStep"], None]] = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: LossScaler, combine_grad: bool = False,
+                 fused_update: bool = True,
+                 on_skip: Optional[Callable[["OptimizerStep", "SkipReport"], None]] = None) -> None:
         self.optimizer = optimizer
         self.scaler = scaler
         params = list(optimizer_params(optimizer))
@@ -81,6 +83,7 @@ class OptimizerStep:
         self._factor_version = -1
         self._found: Optional[Tensor] = None
         self.skipped = 0
+        self._late = _LateSkip()
         self._on_skip = on_skip
         self.gate = StepGate(self._skipped)
         self.gate.attach(optimizer)
@@ -103,6 +106,7 @@ class OptimizerStep:
         ``shared``: the scale is the minimum over several optimizers (always re-based)."""
         if self.flat is not None and not self.flat.views_intact():
             self.flat.rebind()  # e.g. after zero_grad(set_to_none=True): autograd must add into the views
+        self._late.new_backward(self)
         factor = self.grad_factor
         if factor is not None and (shared or self._factor_version != self.scaler.steps or
                                    (isinstance(factor, float) and factor != scale)):
@@ -164,6 +168,7 @@ class OptimizerStep:
     def apply(self, found_inf: Tensor, in_kernel: bool, **step_kwargs: Any) -> None:
         """Step (or skip, on the device) with the agreed ``found_inf``, update the scale, report the flag.
         ``in_kernel``: the grads were only inspected and the optimizer unscales them (protocol driver)."""
+        params, flags = _nonfinite_flags(self.optimizer)
         driver = self.driver
         if driver == "kernel" and not in_kernel:
             skipped = bool(found_inf.item()) if self.kernel.needs_host_flag else False
@@ -186,21 +191,71 @@ class OptimizerStep:
             self.grad_factor = None
         self._found = None
         self.scaler.update(found_inf)
-        self.gate.record(found_inf)
+        report = self.scaler.report_tensor()
+        if flags is not None:
+            report = torch.cat([report, flags.to(report.device)])
+        self.gate.record(found_inf, report, self._late.stepped(found_inf, params))
 
-    def _skipped(self) -> None:
+    def _skipped(self, context: Tuple[int, List[Tensor]], report: Sequence[float]) -> None:
+        """A skipped step's flag landed with its ``report`` (host copy of the scaler's report and the
+        per-param flags of that step): count it, report it, drop its grads unless a newer backward has
+        begun since (those grads belong to the next step; see :class:`_LateSkip`)."""
+        generation, params = context
         self.skipped += 1
         if self._on_skip is not None:
-            self._on_skip(self)
-        self.clear_grads()
+            self._on_skip(self, SkipReport(self.nonfinite_params(params, report[2:]), float(report[0]),
+                                           int(report[1])))
+        if generation == self._late.generation:
+            self.clear_grads()
 
-    def nonfinite_params(self) -> List[Tensor]:
-        """The model params whose current grads hold inf/nan (reads the flags: only after a skip)."""
-        params = [p for p in optimizer_params(self.optimizer) if p.grad is not None]
-        _, flags = nonfinite_flags([p.grad for p in params])
-        if flags is None:
-            return []
-        return [p for p, flag in zip(params, flags.tolist()) if flag]
+    def nonfinite_params(self, params: Sequence[Tensor], flags: Sequence[float]) -> List[Tensor]:
+        """The model params among ``params`` (a step's params with grads) whose ``flags`` (host copies
+        of that step's per-param non-finite flags) are set."""
+        return [p for p, flag in zip(params, flags) if flag]
+
+
+class SkipReport(NamedTuple):
+    """What ``on_skip`` learns of one skipped step, taken on the device at that step."""
+
+    params: List[Tensor]  #: the model params whose grads held inf/nan (this rank's view)
+    loss_scale: float  #: the scale after that step's update
+    overflows_in_a_row: int  #: counted up to and including that step
+
+
+def _nonfinite_flags(optimizer: torch.optim.Optimizer) -> Tuple[List[Tensor], Optional[Tensor]]:
+    """The params of ``optimizer`` that have grads and, on the device, a flag per param (1.0 where its
+    grad holds inf/nan): one multi-tensor max-abs pass, no host read."""
+    params = [p for p in optimizer_params(optimizer) if p.grad is not None]
+    if not params:
+        return params, None
+    grads = [p.grad._values() if p.grad.is_sparse else p.grad for p in params]
+    device = grads[0].device
+    peaks = torch.stack([peak.to(device) for peak in torch._foreach_norm(grads, float("inf"))])
+    return params, torch.logical_not(torch.isfinite(peaks)).float()
+
+
+class _LateSkip:
+    """Which grads a late skip may touch. Each backward starts a new grad generation; each step
+    records the generation it stepped on. When a skipped step's flag lands before the next backward,
+    its grads are dropped on the host (:meth:`OptimizerStep.clear_grads`); when the next backward
+    begins first, grads still held from the step are zeroed on the device where it was skipped
+    (no host read), and the late flag leaves the newer grads alone."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._found: Optional[Tensor] = None  # the flag of the last step, until the next backward
+
+    def stepped(self, found_inf: Tensor, params: List[Tensor]) -> Tuple[int, List[Tensor]]:
+        """After a step on ``params``: the context its gate record carries."""
+        self._found = found_inf
+        return self.generation, params
+
+    def new_backward(self, state: OptimizerStep) -> None:
+        found, self._found = self._found, None
+        if found is not None and state.gate.last_step_skipped() is None:
+            for grad in optimizer_grads(state.optimizer):
+                (grad._values() if grad.is_sparse else grad).masked_fill_(found.to(grad.device) != 0, 0)
+        self.generation += 1
 
 
 def _by_device(tensors: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
