@@ -10,9 +10,11 @@ Which optimizers (:func:`supports`): the class is exactly ``torch.optim.Adam``, 
 kernel), and every group has a float ``lr`` and ``betas``, ``maximize=False`` and
 ``differentiable=False``; Adam's ``amsgrad`` and ``decoupled_weight_decay``, SGD's momentum,
 dampening, nesterov and weight decay are supported; an optimizer with step pre/post hooks
-steps itself (the hooks run). Anything else steps itself. The rule is
-checked whenever the plan is (re)built and its inputs on every step (a group edit that leaves
-the rule makes the optimizer step itself from then on).
+steps itself (the hooks run), and so does one with a param that is not float32/float16/bfloat16
+(complex, float64) or a sparse grad (``nn.Embedding(sparse=True)``). Anything else steps itself.
+The rule is checked whenever the plan is (re)built and its inputs on every step (a group edit
+that leaves the rule makes the optimizer step itself from then on); a sparse grad is looked for
+when the plan is built and, on every step, among the params that had no grad then.
 
 Contract towards the user's optimizer object: hyperparameters are read from ``param_groups`` on
 every step (LR schedulers and group edits take effect); the state is torch's (``step`` a 0-dim
@@ -54,7 +56,12 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
     optimizer with step pre/post hooks registered steps itself, so the hooks run)."""
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         return False
-    return type(optimizer) in KERNEL_CLASSES and all(_group_supported(optimizer, g) for g in optimizer.param_groups)
+    return (type(optimizer) in KERNEL_CLASSES and all(_group_supported(optimizer, g) for g in optimizer.param_groups)
+            and all(p.dtype in _FLOATS and not _sparse_grad(p) for g in optimizer.param_groups for p in g["params"]))
+
+
+def _sparse_grad(param: Tensor) -> bool:
+    return param.grad is not None and param.grad.layout != torch.strided
 
 
 class _Part:
@@ -86,6 +93,7 @@ class KernelStep:
         self.adam_w = isinstance(optimizer, torch.optim.AdamW)
         self._signature: Optional[tuple] = None
         self._parts: List[_Part] = []
+        self._gradless: List[Tensor] = []  # trainable params without grad when the plan was built
         self._fresh = True
 
     def _current_signature(self) -> tuple:
@@ -103,16 +111,16 @@ class KernelStep:
                 return False
             self._signature = signature
             self._build()
+        elif any(map(_sparse_grad, self._gradless)):
+            return False
         return True
 
     def _build(self) -> None:
         state = self.optimizer.state
         self._fresh = False
+        self._gradless = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad and p.grad is None]
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if p.dtype not in _FLOATS:
-                    raise TypeError(f"{type(self.optimizer).__name__}: the fused step takes float32/float16/bfloat16 "
-                                    f"params, got {p.dtype}")
                 if self._needs_state(p, group):
                     self._fresh = True
                 else:
