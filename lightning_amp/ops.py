@@ -245,10 +245,10 @@ def multi_tensor_scale(
     if len(src) != len(dst):
         raise ValueError(f"multi_tensor_scale: src and dst must have equal length, got {len(src)} and {len(dst)}")
     for i, (s, d) in enumerate(zip(src, dst)):
-        _check_dense("multi_tensor_scale", f"src[{i}]", s)
-        _check_dense("multi_tensor_scale", f"dst[{i}]", d)
-        if not (s.is_floating_point() and d.is_floating_point()):
-            raise TypeError(f"multi_tensor_scale: tensor {i}: src ({s.dtype}) and dst ({d.dtype}) must be floating point")
+        for name, t in ((f"src[{i}]", s), (f"dst[{i}]", d)):
+            _check_dense("multi_tensor_scale", name, t)
+            if not t.is_floating_point():
+                raise TypeError(f"multi_tensor_scale: {name} must be floating point, got {t.dtype}")
         if s.shape != d.shape or s.device != d.device:
             raise ValueError(
                 f"multi_tensor_scale: tensor {i}: src {tuple(s.shape)}@{s.device} != dst {tuple(d.shape)}@{d.device}"
@@ -283,10 +283,6 @@ def _scale_fallback(src: Sequence[Tensor], dst: Sequence[Tensor], scale: float, 
 
 def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """Global L2 norm (fp32, 0-dim) of all ``tensors`` (dense, floating) and, if ``per_tensor``, each one's norm."""
-    for i, t in enumerate(tensors):
-        _check_dense("multi_tensor_l2norm", f"tensors[{i}]", t)
-        if not t.is_floating_point():
-            raise TypeError(f"multi_tensor_l2norm: tensors[{i}] must be floating point, got {t.dtype}")
     if not tensors:
         return torch.zeros((), dtype=torch.float32), (torch.zeros(0) if per_tensor else None)
     ext = _ext_for(tensors[0].device)
@@ -298,7 +294,11 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> 
 
 
 def _l2norm_fallback(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Pure-PyTorch multi_tensor_l2norm: (global norm, per-tensor norms), fp32."""
+    """Pure-PyTorch multi_tensor_l2norm: (global norm, per-tensor norms), fp32. Checks what the kernels refuse."""
+    for i, t in enumerate(tensors):
+        _check_dense("multi_tensor_l2norm", f"tensors[{i}]", t)
+        if not t.is_floating_point():
+            raise TypeError(f"multi_tensor_l2norm: tensors[{i}] must be floating point, got {t.dtype}")
     each = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
     return torch.linalg.vector_norm(each), each
 

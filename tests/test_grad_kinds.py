@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import functools
 import math
+import re
 from typing import Any, Dict
 
 import lightning as L
@@ -352,3 +353,46 @@ def test_model_output_of_a_transformers_model_is_cast_back():
     assert cast.logits.dtype == cast.loss.dtype == torch.float32 and cast["logits"] is cast.logits
     assert all(h.dtype == torch.float32 for h in cast.hidden_states) and isinstance(cast.hidden_states, tuple)
     assert torch.equal(cast.logits, out.logits.float()) and out.logits.dtype == torch.bfloat16  # input untouched
+
+
+# ---- the kernel doors refuse these kinds -----------------------------------------------------------
+
+
+def _ops_calls():
+    from lightning_amp import ops
+
+    r, z = (lambda: torch.randn(4, 8)), (lambda: torch.zeros(()))
+    return {
+        "multi_tensor_scale": ("src[0]", lambda t: ops.multi_tensor_scale([t], [r()], 0.5)),
+        "multi_tensor_l2norm": ("tensors[1]", lambda t: ops.multi_tensor_l2norm([r(), t])),
+        "multi_tensor_adam": ("grads[0]", lambda t: ops.multi_tensor_adam(
+            [r()], [t], [r()], [r()], [z()], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)),
+        "multi_tensor_sgd": ("grads[0]", lambda t: ops.multi_tensor_sgd(
+            [r()], [t], None, lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, first_run=True)),
+        "wgrad_gemm_accum_fp32": ("input", lambda t: ops.wgrad_gemm_accum_fp32(t, torch.randn(4, 5), torch.zeros(5, 8))),
+    }
+
+
+@pytest.mark.parametrize("kind", ["sparse", "complex"])
+@pytest.mark.parametrize("op", ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_adam", "multi_tensor_sgd",
+                                "wgrad_gemm_accum_fp32"])
+def test_ops_refuse_sparse_and_complex_tensors_naming_the_argument(op, kind):
+    name, call = _ops_calls()[op]
+    call(torch.randn(4, 8))  # the unbroken call is valid
+    bad = torch.randn(4, 8).to_sparse() if kind == "sparse" else torch.randn(4, 8, dtype=torch.complex64)
+    with pytest.raises(TypeError, match=rf"{op.replace('_fp32', '')}: .*{re.escape(name)}"):
+        call(bad)
+
+
+def test_kernel_step_leaves_sparse_grads_and_complex_params_to_the_optimizer():
+    from lightning_amp.amp.kernel_step import KernelStep, supports
+
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)
+    opt = torch.optim.SGD(list(lin.parameters()) + list(emb.parameters()), lr=0.1)
+    kernel = KernelStep(opt, {})
+    lin(torch.randn(2, 4)).sum().backward()
+    assert kernel.usable()  # the plan is built while the embedding has no grad yet
+    emb(torch.tensor([1, 2])).sum().backward()
+    assert not kernel.usable() and not supports(opt)
+    assert not supports(torch.optim.AdamW([nn.Parameter(torch.randn(3, dtype=torch.complex64))]))
