@@ -101,7 +101,7 @@ class SparseNet(L.LightningModule):
             return torch.optim.SparseAdam(self.emb.parameters(), lr=0.05)
         if self.opt == "adagrad":
             return torch.optim.Adagrad(self.parameters(), lr=0.2)
-        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=1.0, momentum=0.5)
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
@@ -117,14 +117,17 @@ def _reference(kind: str, arg: str, precision: str) -> Dict[str, Tensor]:
 
 
 def _assert_trains_like_reference(model: nn.Module, ref: Dict[str, Tensor], start: Dict[str, Tensor],
-                                  trained=None) -> None:
+                                  trained=None, floor: Dict[str, Tensor] = None) -> None:
+    """Each trained param ends within 10% of how far the reference moved it (L2 norms), or within
+    ``floor[name]`` where that is larger."""
     for name, p in model.named_parameters():
         if trained is not None and name not in trained:
             continue
-        moved = (ref[name] - start[name]).abs().max()
-        assert moved > 1e-2, f"{name} did not train in the reference"
-        diff = (p.detach().to(ref[name].dtype) - ref[name]).abs().max()
-        assert diff <= 0.1 * moved, f"{name}: differs from the reference by {diff} (training moved it {moved})"
+        moved = torch.linalg.vector_norm(ref[name] - start[name])
+        assert moved > 1e-3, f"{name} did not train in the reference"
+        diff = torch.linalg.vector_norm(p.detach().to(ref[name].dtype) - ref[name])
+        tol = max(0.1 * moved, floor[name]) if floor else 0.1 * moved
+        assert diff <= tol, f"{name}: {diff} from the reference (training moved it {moved}, tolerance {tol})"
 
 
 def _cells(opts):
@@ -141,7 +144,11 @@ def test_sparse_grads_train_like_lightning(level, opt):
     _fit(model, level)
     assert model.emb.weight.layout == torch.strided
     trained = ["emb.weight"] if opt == "sparseadam" else None  # the head is not in SparseAdam
-    _assert_trains_like_reference(model, _reference("sparse", opt, REFERENCE[level]), start, trained)
+    ref, floor = _reference("sparse", opt, REFERENCE[level]), None
+    if level == "O2":  # half weights in forward, fp32 updates: no further from bf16-mixed than bf16-true is
+        true = _reference("sparse", opt, "bf16-true")
+        floor = {n: torch.linalg.vector_norm(true[n].to(ref[n].dtype) - ref[n]) for n in ref}
+    _assert_trains_like_reference(model, ref, start, trained, floor)
 
 
 @pytest.mark.parametrize("level,opt", list(_cells(["adagrad"])))
