@@ -1,7 +1,7 @@
 """Grads that are not dense real tensors: sparse (``nn.Embedding(sparse=True)``) and complex.
 
 ``torch._amp_foreach_non_finite_check_and_unscale_`` and the fused kernels take dense real
-(float32/float16/bfloat16) tensors only. The other kinds stay out of the half and fused paths
+floating tensors only. The other kinds stay out of the half and fused paths
 (O2/O3 never cast complex tensors, the kernel step leaves such optimizers to their own
 ``step()``) but are checked for inf/nan and unscaled like every grad, so an overflow in them
 still skips the step:
