@@ -398,10 +398,13 @@ def test_kernel_step_leaves_sparse_grads_and_complex_params_to_the_optimizer():
 
     torch.manual_seed(0)
     emb, lin = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)
-    opt = torch.optim.SGD(list(lin.parameters()) + list(emb.parameters()), lr=0.1)
+    opt = torch.optim.SGD(list(lin.parameters()) + list(emb.parameters()), lr=0.1, momentum=0.9)
     kernel = KernelStep(opt, {})
     lin(torch.randn(2, 4)).sum().backward()
     assert kernel.usable()  # the plan is built while the embedding has no grad yet
     emb(torch.tensor([1, 2])).sum().backward()
     assert not kernel.usable() and not supports(opt)
+    opt.step()  # its own step: a sparse momentum buffer
+    emb.weight.grad = None
+    assert not supports(opt)  # an embedding unused in some step leaves its sparse state to the optimizer too
     assert not supports(torch.optim.AdamW([nn.Parameter(torch.randn(3, dtype=torch.complex64))]))

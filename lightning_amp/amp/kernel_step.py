@@ -11,7 +11,8 @@ kernel), and every group has a float ``lr`` and ``betas``, ``maximize=False`` an
 ``differentiable=False``; Adam's ``amsgrad`` and ``decoupled_weight_decay``, SGD's momentum,
 dampening, nesterov and weight decay are supported; an optimizer with step pre/post hooks
 steps itself (the hooks run), and so does one with a param that is not float32/float16/bfloat16
-(complex, float64) or a sparse grad (``nn.Embedding(sparse=True)``). Anything else steps itself.
+(complex, float64) or a sparse grad (``nn.Embedding(sparse=True)``) or sparse state (a momentum
+buffer its own step made from one). Anything else steps itself.
 The rule is checked whenever the plan is (re)built and its inputs on every step (a group edit
 that leaves the rule makes the optimizer step itself from then on); a sparse grad is looked for
 when the plan is built and, on every step, among the params that had no grad then.
@@ -57,11 +58,18 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         return False
     return (type(optimizer) in KERNEL_CLASSES and all(_group_supported(optimizer, g) for g in optimizer.param_groups)
-            and all(p.dtype in _FLOATS and not _sparse_grad(p) for g in optimizer.param_groups for p in g["params"]))
+            and all(p.dtype in _FLOATS and not _sparse(optimizer, p)
+                    for g in optimizer.param_groups for p in g["params"]))
 
 
 def _sparse_grad(param: Tensor) -> bool:
     return param.grad is not None and param.grad.layout != torch.strided
+
+
+def _sparse(optimizer: torch.optim.Optimizer, param: Tensor) -> bool:
+    """A sparse grad, or sparse state left by the optimizer's own step on one."""
+    return _sparse_grad(param) or any(isinstance(v, Tensor) and v.layout != torch.strided
+                                      for v in optimizer.state.get(param, {}).values())
 
 
 class _Part:
@@ -118,7 +126,8 @@ class KernelStep:
     def _build(self) -> None:
         state = self.optimizer.state
         self._fresh = False
-        self._gradless = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad and p.grad is None]
+        self._gradless = [p for g in self.optimizer.param_groups for p in g["params"]
+                          if p.requires_grad and p.grad is None]
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if self._needs_state(p, group):
