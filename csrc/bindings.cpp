@@ -28,6 +28,7 @@ void check_wgrad(const char* op, const at::Tensor& input, const at::Tensor& grad
   LAMP_CHECK_KERNEL_DEVICE(op, "main_grad", main_grad);
   LAMP_CHECK_SAME_DEVICE(op, "input", input, "main_grad", main_grad);
   LAMP_CHECK_SAME_DEVICE(op, "grad_output", grad_output, "main_grad", main_grad);
+  LAMP_CHECK_DENSE(op, "main_grad", main_grad);
   LAMP_CHECK_FLOAT_LIKE(op, "input", input);
   LAMP_CHECK_FLOAT_LIKE(op, "grad_output", grad_output);
   TORCH_CHECK_TYPE(input.scalar_type() == grad_output.scalar_type(), op, ": input (", input.scalar_type(),

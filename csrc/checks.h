@@ -34,8 +34,14 @@ constexpr const char* kKernelDevices = "cpu only (built without CUDA)";
 
 }  // namespace lamp
 
-// dtype must be float32 / float16 / bfloat16.
+// A dense (strided) tensor: sparse and other layouts have no data pointer the kernels can walk.
+#define LAMP_CHECK_DENSE(op, name, t)                                                                    \
+  TORCH_CHECK_TYPE((t).layout() == at::kStrided, op, ": ", name, " must be a dense (strided) tensor, got layout ", \
+                   (t).layout())
+
+// A dense tensor whose dtype is float32 / float16 / bfloat16 (complex dtypes are refused here too).
 #define LAMP_CHECK_FLOAT_LIKE(op, name, t)                                                               \
+  LAMP_CHECK_DENSE(op, name, t);                                                                         \
   TORCH_CHECK_TYPE(::lamp::is_float_like((t).scalar_type()), op, ": ", name,                              \
                    " must be float32, float16 or bfloat16, got ", (t).scalar_type())
 

@@ -52,6 +52,7 @@ at::Device check_lists(const char* op, const TensorList& params, const TensorLis
                      " but params[0] is ", pdtype);
     LAMP_CHECK_CONTIGUOUS(op, pn, p);
     auto check_like = [&](const std::string& name, const at::Tensor& t) {
+      LAMP_CHECK_DENSE(op, name, t);
       TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but ", pn, " is on ", device);
       TORCH_CHECK_VALUE(t.sizes() == p.sizes(), op, ": ", name, " shape ", t.sizes(), " != ", pn, " shape ",
                         p.sizes());
@@ -83,6 +84,7 @@ at::Device check_lists(const char* op, const TensorList& params, const TensorLis
       const std::string cn = at_index("model_copies", i);
       TORCH_CHECK_VALUE(copies[i].device() == device, op, ": ", cn, " is on ", copies[i].device(), " but ", pn,
                         " is on ", device);
+      LAMP_CHECK_DENSE(op, cn, copies[i]);
       TORCH_CHECK_TYPE(pdtype == at::kFloat, op, ": with model_copies the params are fp32 masters, got ", pdtype);
       TORCH_CHECK_TYPE(is_half_like(copies[i].scalar_type()), op, ": ", cn, " must be float16 or bfloat16, got ",
                        copies[i].scalar_type());

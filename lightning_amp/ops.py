@@ -110,9 +110,17 @@ def backend(device: torch.device | str = "cpu") -> str:
 # --------------------------------------------------------------------------------------
 
 
+def _check_dense(op: str, name: str, t: Tensor) -> None:
+    """Sparse (and other non-strided) tensors have no dense storage for the kernels to walk."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{op}: {name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
 def _check_wgrad_args(input: Tensor, grad_output: Tensor, main_grad: Tensor, main_dtypes) -> None:
     if not isinstance(input, Tensor) or not isinstance(grad_output, Tensor) or not isinstance(main_grad, Tensor):
         raise TypeError("wgrad_gemm_accum: input, grad_output and main_grad must be tensors")
+    for name, t in (("input", input), ("grad_output", grad_output), ("main_grad", main_grad)):
+        _check_dense("wgrad_gemm_accum", name, t)
     floating = (torch.float32, torch.float16, torch.bfloat16)
     if input.dtype not in floating or grad_output.dtype not in floating:
         raise TypeError(
@@ -240,8 +248,10 @@ def multi_tensor_scale(
     if len(src) != len(dst):
         raise ValueError(f"multi_tensor_scale: src and dst must have equal length, got {len(src)} and {len(dst)}")
     for i, (s, d) in enumerate(zip(src, dst)):
-        if not (s.is_floating_point() and d.is_floating_point()):
-            raise TypeError(f"multi_tensor_scale: tensor {i}: src ({s.dtype}) and dst ({d.dtype}) must be floating point")
+        for name, t in ((f"src[{i}]", s), (f"dst[{i}]", d)):
+            _check_dense("multi_tensor_scale", name, t)
+            if not t.is_floating_point():
+                raise TypeError(f"multi_tensor_scale: {name} must be floating point, got {t.dtype}")
         if s.shape != d.shape or s.device != d.device:
             raise ValueError(
                 f"multi_tensor_scale: tensor {i}: src {tuple(s.shape)}@{s.device} != dst {tuple(d.shape)}@{d.device}"
@@ -275,7 +285,7 @@ def _scale_fallback(src: Sequence[Tensor], dst: Sequence[Tensor], scale: float, 
 
 
 def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-    """Global L2 norm (fp32, 0-dim) of all ``tensors`` and, if ``per_tensor``, each one's norm."""
+    """Global L2 norm (fp32, 0-dim) of all ``tensors`` (dense, floating) and, if ``per_tensor``, each one's norm."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32), (torch.zeros(0) if per_tensor else None)
     ext = _ext_for(tensors[0].device)
@@ -287,7 +297,11 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> 
 
 
 def _l2norm_fallback(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Pure-PyTorch multi_tensor_l2norm: (global norm, per-tensor norms), fp32."""
+    """Pure-PyTorch multi_tensor_l2norm: (global norm, per-tensor norms), fp32. Checks what the kernels refuse."""
+    for i, t in enumerate(tensors):
+        _check_dense("multi_tensor_l2norm", f"tensors[{i}]", t)
+        if not t.is_floating_point():
+            raise TypeError(f"multi_tensor_l2norm: tensors[{i}] must be floating point, got {t.dtype}")
     each = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
     return torch.linalg.vector_norm(each), each
 
@@ -343,6 +357,9 @@ def _check_optim_args(
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
             raise TypeError(f"{op}: params[{i}] is not a tensor")
+        for name, lst in (("params", params), *lists.items()):
+            if isinstance(lst[i], Tensor):
+                _check_dense(op, f"{name}[{i}]", lst[i])
         if p.dtype not in _OPT_DTYPES:
             raise TypeError(f"{op}: params[{i}] must be float32/float16/bfloat16, got {p.dtype}")
         if p.device != device:

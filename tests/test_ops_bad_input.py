@@ -105,6 +105,10 @@ CASES = {
                        r"must be contiguous"),
     "unequal_lengths": (lambda spec: len(spec[3]) > 1, lambda a, spec, s: a[spec[3][1]].pop(), ValueError,
                         r"equal length"),
+    "sparse": (lambda spec: True, lambda a, spec, s: _last(a, spec[1], lambda t: t.to_sparse()), TypeError,
+               r"must be a dense \(strided\) tensor, got layout"),
+    "complex": (lambda spec: True, lambda a, spec, s: _last(a, spec[1], lambda t: t.to(torch.complex64)), TypeError,
+                r"must be float32, float16 or bfloat16, got ComplexFloat"),
     "empty_lists": (lambda spec: bool(spec[3]), lambda a, spec, s: [a[k].clear() for k in spec[3]], ValueError,
                     r"is empty"),
 }

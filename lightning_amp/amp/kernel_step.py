@@ -9,10 +9,13 @@ Which optimizers (:func:`supports`): the class is exactly ``torch.optim.Adam``, 
 kernel), and every group has a float ``lr`` and ``betas``, ``maximize=False`` and
 ``differentiable=False``; Adam's ``amsgrad`` and ``decoupled_weight_decay``, SGD's momentum,
 dampening, nesterov and weight decay are supported; an optimizer with step pre/post hooks (its
-own, or torch's global ones, looked at on every step) steps itself (the hooks run). Anything else
-steps itself. The rule is
-checked whenever the plan is (re)built and its inputs on every step (a group edit that leaves
-the rule makes the optimizer step itself from then on).
+own, or torch's global ones, looked at on every step) steps itself (the hooks run), and so does one
+with a param that is not float32/float16/bfloat16 (complex, float64) or a sparse grad
+(``nn.Embedding(sparse=True)``) or sparse state (a momentum buffer its own step made from one).
+Anything else steps itself.
+The rule is checked whenever the plan is (re)built and its inputs on every step (a group edit
+that leaves the rule makes the optimizer step itself from then on); a sparse grad is looked for
+when the plan is built and, on every step, among the params that had no grad then.
 
 Contract towards the user's optimizer object: hyperparameters are read from ``param_groups`` on
 every step (LR schedulers and group edits take effect); the state is torch's (``step`` a 0-dim
@@ -63,7 +66,19 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
     optimizer with step pre/post hooks, its own or global, steps itself, so the hooks run)."""
     if has_step_hooks(optimizer):
         return False
-    return type(optimizer) in KERNEL_CLASSES and all(_group_supported(optimizer, g) for g in optimizer.param_groups)
+    return (type(optimizer) in KERNEL_CLASSES and all(_group_supported(optimizer, g) for g in optimizer.param_groups)
+            and all(p.dtype in _FLOATS and not _sparse(optimizer, p)
+                    for g in optimizer.param_groups for p in g["params"]))
+
+
+def _sparse_grad(param: Tensor) -> bool:
+    return param.grad is not None and param.grad.layout != torch.strided
+
+
+def _sparse(optimizer: torch.optim.Optimizer, param: Tensor) -> bool:
+    """A sparse grad, or sparse state left by the optimizer's own step on one."""
+    return _sparse_grad(param) or any(isinstance(v, Tensor) and v.layout != torch.strided
+                                      for v in optimizer.state.get(param, {}).values())
 
 
 class _Part:
@@ -93,6 +108,7 @@ class KernelStep:
         self.adam_w = isinstance(optimizer, torch.optim.AdamW)
         self._signature: Optional[tuple] = None
         self._parts: List[_Part] = []
+        self._gradless: List[Tensor] = []  # trainable params without grad when the plan was built
         self._fresh = True
 
     def _current_signature(self) -> tuple:
@@ -112,16 +128,17 @@ class KernelStep:
                 return False
             self._signature = signature
             self._build()
+        elif any(map(_sparse_grad, self._gradless)):
+            return False
         return True
 
     def _build(self) -> None:
         state = self.optimizer.state
         self._fresh = False
+        self._gradless = [p for g in self.optimizer.param_groups for p in g["params"]
+                          if p.requires_grad and p.grad is None]
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if p.dtype not in _FLOATS:
-                    raise TypeError(f"{type(self.optimizer).__name__}: the fused step takes float32/float16/bfloat16 "
-                                    f"params, got {p.dtype}")
                 if self._needs_state(p, group):
                     self._fresh = True
                 else:

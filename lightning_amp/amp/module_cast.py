@@ -1,45 +1,66 @@
 """Casting a model for O0/O2/O3, in place, framework-free.
 
 * :func:`cast_module_` casts every floating param and buffer to ``dtype`` *in place* (the
-  Parameter objects survive, so wrappers such as DDP that hold them keep working). With
+  Parameter objects survive, so wrappers such as DDP that hold them keep working). Complex
+  tensors are left alone, and so is every torchmetrics ``Metric`` (with its submodules): its
+  states accumulate sums and counts that must stay exact. A metric also keeps its own ``dtype``
+  when moved (``metric.to(device)``, as Lightning's ``self.log`` does) inside the half forward,
+  whose default dtype is half: torchmetrics reads its dtype back from a tensor made with the
+  default dtype, which then rounds every later ``update`` to half. With
   ``keep_batchnorm_fp32`` every ``_BatchNorm`` (BatchNorm1d/2d/3d, SyncBatchNorm, ...) stays
   fp32 and gets hooks that run it on an fp32 copy of its input and hand back the input's dtype,
   so a half network with fp32 BatchNorm still flows half activations.
 * :func:`cast_outputs_hook` makes a module's floating outputs a fixed dtype (apex's
   ``cast_model_outputs``).
-* :func:`cast_floating` casts the floating tensors of any nested collection (inputs).
+* :func:`cast_floating` casts the floating tensors of any nested collection (inputs): tuples,
+  namedtuples, lists, dicts and mappings of any subclass (``OrderedDict``, ``defaultdict``, HF
+  ``ModelOutput``), dataclasses.
 
 Calling these twice on one module is harmless: hooks are installed once.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_amp.amp.forward import default_dtype
 
 _BN_HOOKS_ATTR = "_lightning_amp_fp32_batchnorm_hooks"
 _OUTPUT_HOOK_ATTR = "_lightning_amp_output_cast_hook"
 
 
 def cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    """``data`` with every floating tensor (in tuples, lists, dicts, nested) cast to ``dtype``."""
+    """``data`` with every floating tensor (nested in the collections of the module docstring) cast to
+    ``dtype``. A container is copied shallowly (its class and other fields kept, a mapping or a
+    dataclass without re-running its ``__init__``); other objects are returned as they are."""
     if isinstance(data, Tensor):
         return data.to(dtype) if data.is_floating_point() and data.dtype != dtype else data
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
         return type(data)(*(cast_floating(item, dtype) for item in data))
     if isinstance(data, (list, tuple)):
         return type(data)(cast_floating(item, dtype) for item in data)
-    if isinstance(data, dict):
-        return type(data)((key, cast_floating(value, dtype)) for key, value in data.items())
+    if isinstance(data, dict):  # OrderedDict, defaultdict, ModelOutput (a dataclass too): kept as the mapping it is
+        out = copy.copy(data)
+        for key, value in data.items():
+            out[key] = cast_floating(value, dtype)
+        return out
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        out = copy.copy(data)
+        for field in dataclasses.fields(data):
+            object.__setattr__(out, field.name, cast_floating(getattr(data, field.name), dtype))  # frozen too
+        return out
     return data
 
 
 def _cast_tensor(dtype: torch.dtype, tensor: Tensor) -> Tensor:
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor  # complex and integer tensors stay
 
 
 def _bn_input_to_fp32(module: nn.Module, args: tuple) -> tuple:
@@ -68,16 +89,49 @@ def cast_module_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: boo
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"cast_module_: `module` must be a torch.nn.Module, got {type(module).__name__}")
-    for sub in module.modules():
+    for metric in _metrics(module):
+        metric._apply = partial(_metric_apply, metric)  # a partial: deep copies and pickles follow the metric
+    for sub in _modules_outside_metrics(module):
         keep_fp32 = keep_batchnorm_fp32 and isinstance(sub, _BatchNorm)
         cast = partial(_cast_tensor, torch.float32 if keep_fp32 else dtype)
         if "recurse" in inspect.signature(sub._apply).parameters:
             sub._apply(cast, recurse=False)
-        else:  # e.g. torchmetrics.Metric overrides _apply(fn) without `recurse` (and keeps its states' dtype)
+        else:  # a module overriding _apply(fn) without `recurse` (it recurses itself; casting twice is harmless)
             sub._apply(cast)
         if keep_fp32:
             _keep_fp32_batchnorm(sub)
     return module
+
+
+def _metric_apply(metric: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+    """``Metric._apply`` with the metric's own dtype as torch's default dtype (see the module docstring)."""
+    dtype = getattr(metric, "_dtype", None)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return type(metric)._apply(metric, fn, *args, **kwargs)
+    with default_dtype(dtype):
+        return type(metric)._apply(metric, fn, *args, **kwargs)
+
+
+def _is_metric(module: nn.Module) -> bool:
+    """A torchmetrics ``Metric`` (or ``MetricCollection``), recognised without importing torchmetrics."""
+    return any(cls.__module__.startswith("torchmetrics.") and cls.__name__ in ("Metric", "MetricCollection")
+               for cls in type(module).__mro__)
+
+
+def _metrics(module: nn.Module) -> Iterator[nn.Module]:
+    return (sub for sub in module.modules() if _is_metric(sub) and not isinstance(sub.__dict__.get("_apply"), partial))
+
+
+def _modules_outside_metrics(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its submodules, each once, leaving out every metric and everything inside one."""
+    seen, stack = set(), [module]
+    while stack:
+        sub = stack.pop()
+        if id(sub) in seen or _is_metric(sub):
+            continue
+        seen.add(id(sub))
+        yield sub
+        stack.extend(reversed(list(sub.children())))
 
 
 def _cast_output(dtype: torch.dtype, module: nn.Module, args: tuple, output: Any) -> Any:

@@ -5,7 +5,8 @@ ranks, see :func:`agree`):
 
 1. :meth:`OptimizerStep.unscale` (or :meth:`~OptimizerStep.inspect` when the optimizer unscales in
    its own kernel) checks every grad for inf/nan in one ``torch._amp_foreach_non_finite_check_and_unscale_``
-   call per device, writing a 0-dim fp32 ``found_inf`` on the device.
+   call per device, writing a 0-dim fp32 ``found_inf`` on the device (sparse and complex grads
+   through their real values, :mod:`lightning_amp.amp.grad_kinds`).
 2. :meth:`OptimizerStep.apply` steps through one of three drivers, chosen per step:
 
    * ``kernel``: a plain ``torch.optim.Adam``/``AdamW``/``SGD`` (:mod:`lightning_amp.amp.kernel_step`)
@@ -35,6 +36,7 @@ from torch import Tensor
 
 from lightning_amp.amp.flat import FlatGradBuffer
 from lightning_amp.amp.gate import StepGate
+from lightning_amp.amp.grad_kinds import check_and_unscale_, real_values
 from lightning_amp.amp.kernel_step import KernelStep, supports
 from lightning_amp.amp.master import optimizer_grads, optimizer_params
 from lightning_amp.amp.scaler import LossScaler
@@ -130,7 +132,7 @@ class OptimizerStep:
         for dev, tensors in by_device.items():
             flag = found if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
             inv_t = inv.to(dev) if isinstance(inv, Tensor) else torch.full((), inv, dtype=torch.float32, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_t)
+            check_and_unscale_(tensors, flag, inv_t)
             if flag is not found:
                 torch.maximum(found, flag.to(device), out=found)
         return found
@@ -228,7 +230,7 @@ def _nonfinite_flags(optimizer: torch.optim.Optimizer) -> Tuple[List[Tensor], Op
     params = [p for p in optimizer_params(optimizer) if p.grad is not None]
     if not params:
         return params, None
-    grads = [p.grad._values() if p.grad.is_sparse else p.grad for p in params]
+    grads = [real_values(p.grad) for p in params]
     device = grads[0].device
     peaks = torch.stack([peak.to(device) for peak in torch._foreach_norm(grads, float("inf"))])
     return params, torch.logical_not(torch.isfinite(peaks)).float()
