@@ -30,7 +30,6 @@ torchmetrics = pytest.importorskip("torchmetrics")
 LEVELS = ["O0", "O1", "O2", "O3"]
 REFERENCE = {"O0": "32-true", "O1": "bf16-mixed", "O2": "bf16-mixed", "O3": "bf16-true"}
 STEPS = 4
-O2_MASTERS = pytest.mark.xfail(strict=True, reason="O2 masters: fixed by the o2 redesign")
 
 
 def _trainer(precision: str, steps: int = STEPS, **kwargs: Any) -> L.Trainer:
@@ -135,8 +134,7 @@ def _assert_trains_like_reference(model: nn.Module, ref: Dict[str, Tensor], star
 def _cells(opts):
     for level in LEVELS:
         for opt in opts:
-            marks = [O2_MASTERS] if level == "O2" else []
-            yield pytest.param(level, opt, id=f"{level}-{opt}", marks=marks)
+            yield pytest.param(level, opt, id=f"{level}-{opt}")
 
 
 @pytest.mark.parametrize("level,opt", list(_cells(["sgd", "adagrad", "sparseadam"])))
@@ -399,7 +397,7 @@ def test_kernel_step_leaves_sparse_grads_and_complex_params_to_the_optimizer():
     torch.manual_seed(0)
     emb, lin = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)
     opt = torch.optim.SGD(list(lin.parameters()) + list(emb.parameters()), lr=0.1, momentum=0.9)
-    kernel = KernelStep(opt, {})
+    kernel = KernelStep(opt)
     lin(torch.randn(2, 4)).sum().backward()
     assert kernel.usable()  # the plan is built while the embedding has no grad yet
     emb(torch.tensor([1, 2])).sum().backward()

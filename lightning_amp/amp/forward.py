@@ -35,17 +35,7 @@ import torch
 from lightning_amp.amp.casts import cast_context
 from lightning_amp.amp.half_params import HalfParams
 from lightning_amp.amp.levels import AmpProperties
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Make ``dtype`` (a floating torch.dtype) torch's default dtype inside the block."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+from lightning_amp.amp.module_cast import default_dtype
 
 
 @contextlib.contextmanager

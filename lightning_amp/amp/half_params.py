@@ -8,7 +8,8 @@ Contract (see docs/o2-design.md for why):
   :func:`~lightning_amp.amp.module_cast.cast_module_`. The optimizer, checkpoints, callbacks,
   ``requires_grad`` and ``p.grad`` therefore all meet the module's own fp32 Parameters.
 * :class:`HalfParams` is entered around every forward (the plugin's ``forward_context``): each fp32
-  Parameter of a non-BatchNorm module is cast to half once (``param.to(dtype)``, an autograd op)
+  Parameter of a module other than a kept-fp32 BatchNorm or a sparse-grad embedding
+  (``nn.Embedding(sparse=True)``: autograd cannot cast its sparse grad back) is cast to half once (``param.to(dtype)``, an autograd op)
   and the copy is put into the owning module instance's ``__dict__`` under the param's name, which
   shadows ``_parameters`` for attribute access (``nn.Module.__getattr__`` only runs when normal
   lookup fails). A param shared by several modules (tied embeddings) gets one copy; a parent that
@@ -40,7 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from lightning_amp.amp.module_cast import cast_module_
+from lightning_amp.amp.module_cast import cast_module_, modules_outside_metrics
 
 
 @torch.no_grad()
@@ -48,7 +49,7 @@ def prepare_o2_module_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp3
     """Params fp32, buffers ``dtype`` (BatchNorm fp32 with its hooks when kept); in place, returns ``module``."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"prepare_o2_module_: `module` must be a torch.nn.Module, got {type(module).__name__}")
-    for sub in module.modules():
+    for sub in modules_outside_metrics(module):
         if keep_batchnorm_fp32 and isinstance(sub, _BatchNorm):
             cast_module_(sub, dtype, keep_batchnorm_fp32=True)
             continue
@@ -78,14 +79,20 @@ class HalfParams:
         self._hook: Optional[RemovableHandle] = None
         self._depth = 0
 
+    def _reads_fp32(self, sub: nn.Module) -> bool:
+        """Modules forward leaves on their fp32 Parameters: BatchNorm when kept fp32, and embeddings
+        with sparse grads (autograd cannot cast a sparse grad back through the half copy)."""
+        if self.keep_batchnorm_fp32 and isinstance(sub, _BatchNorm):
+            return True
+        return isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and bool(sub.sparse)
+
     def _slots_now(self) -> List[Tuple[nn.Module, str]]:
         """(module, param name) of every param slot, rebuilt when the number of modules changes."""
         subs = list(self.module.modules())
         if len(subs) == self._count:
             return self._slots
         self._count = len(subs)
-        self._slots = [(sub, name) for sub in subs
-                       if not (self.keep_batchnorm_fp32 and isinstance(sub, _BatchNorm)) for name in sub._parameters]
+        self._slots = [(sub, name) for sub in subs if not self._reads_fp32(sub) for name in sub._parameters]
         return self._slots
 
     def __enter__(self) -> "HalfParams":

@@ -20,6 +20,7 @@ Calling these twice on one module is harmless: hooks are installed once.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -30,10 +31,19 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_amp.amp.forward import default_dtype
-
 _BN_HOOKS_ATTR = "_lightning_amp_fp32_batchnorm_hooks"
 _OUTPUT_HOOK_ATTR = "_lightning_amp_output_cast_hook"
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make ``dtype`` (a floating torch.dtype) torch's default dtype inside the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def cast_floating(data: Any, dtype: torch.dtype) -> Any:
@@ -89,9 +99,7 @@ def cast_module_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: boo
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"cast_module_: `module` must be a torch.nn.Module, got {type(module).__name__}")
-    for metric in _metrics(module):
-        metric._apply = partial(_metric_apply, metric)  # a partial: deep copies and pickles follow the metric
-    for sub in _modules_outside_metrics(module):
+    for sub in modules_outside_metrics(module):
         keep_fp32 = keep_batchnorm_fp32 and isinstance(sub, _BatchNorm)
         cast = partial(_cast_tensor, torch.float32 if keep_fp32 else dtype)
         if "recurse" in inspect.signature(sub._apply).parameters:
@@ -122,8 +130,12 @@ def _metrics(module: nn.Module) -> Iterator[nn.Module]:
     return (sub for sub in module.modules() if _is_metric(sub) and not isinstance(sub.__dict__.get("_apply"), partial))
 
 
-def _modules_outside_metrics(module: nn.Module) -> Iterator[nn.Module]:
-    """``module`` and its submodules, each once, leaving out every metric and everything inside one."""
+def modules_outside_metrics(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its submodules, each once, leaving out every torchmetrics metric and everything
+    inside one; the metrics found keep their own dtype from now on, also through later ``.to(dtype)``
+    calls of Lightning or the user (their ``_apply`` runs with the metric's dtype as the default)."""
+    for metric in _metrics(module):
+        metric._apply = partial(_metric_apply, metric)  # a partial: deep copies and pickles follow the metric
     seen, stack = set(), [module]
     while stack:
         sub = stack.pop()
