@@ -4,6 +4,7 @@
                         [--dtype auto] [--accelerator auto|cpu|cuda] [--steps N] [--size tiny|small|base]
                         [--batch-size N] [--out DIR] [--quick]
     lightning-amp info
+    lightning-amp --version
 
 ``bench`` trains each example model at each level (lightning-amp's O0-O3 and Lightning's own
 precisions) in a fresh process, with the batches drawn on the device before timing, and prints a
@@ -29,6 +30,11 @@ from lightning_amp.bench.worker import ACCELERATORS, DTYPES, LEVELS
 
 MODEL_NAMES = tuple(MODELS)
 QUICK = dict(size="tiny", steps=3, warmup=1)
+EXAMPLES = """examples:
+  lightning-amp bench --quick                        # smoke run: tiny models, six levels, 1 warm-up + 3 timed steps
+  lightning-amp bench --models bert --levels fp32,bf16-mixed,O2 --steps 50 --out bench-out
+  lightning-amp info                                 # versions, compiled backend, bf16 instructions of this CPU
+"""
 
 
 def default_levels(dtype: str) -> list[str]:
@@ -61,7 +67,11 @@ def _int_at_least(minimum: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-amp", description="lightning-amp command line tools")
+    import lightning_amp
+
+    parser = argparse.ArgumentParser(prog="lightning-amp", description="lightning-amp command line tools",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"lightning-amp {lightning_amp.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{bench,info}")
 
     bench = commands.add_parser("bench", help="time and memory of the example models at each precision level",
@@ -162,12 +172,13 @@ def _cpu_bf16_flags() -> str:
 
 
 def _info() -> int:
+    import lightning
     import torch
 
     import lightning_amp
     from lightning_amp import ops
 
-    print(f"lightning-amp {lightning_amp.__version__}, torch {torch.__version__}")
+    print(f"lightning-amp {lightning_amp.__version__}, torch {torch.__version__}, lightning {lightning.__version__}")
     if ops.extension_error() is None:
         print(f"compiled extension: loaded from {ops.extension_path()}")
     else:

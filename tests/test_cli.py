@@ -311,9 +311,30 @@ def test_peak_memory_records_the_lifetime_fallback_and_the_clamp(monkeypatch):
 
 
 def test_info_reports_versions_and_backend(capsys):
+    import lightning
+
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "cpu backend:" in out and "amx_bf16=" in out
+    assert f"lightning {lightning.__version__}" in out
+
+
+def test_version_and_help_with_examples(capsys):
+    import lightning_amp
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lightning-amp {lightning_amp.__version__}"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "examples:" in help_text
+    examples = [line.split("#")[0].split() for line in help_text.split("examples:")[1].splitlines() if line.strip()]
+    assert len(examples) >= 2
+    for example in examples:  # each example parses as written
+        cli.build_parser().parse_args(example[1:])
 
 
 def test_bench_json_is_strict_even_when_a_loss_diverged(tmp_path):
