@@ -73,3 +73,18 @@ def test_needs_marker_syntax():
     assert needs("\n#needs: apex\n") == "apex"
     assert needs("import torch  # needs: nothing\n") is None
     assert needs("# a comment\n# needs: apex\n") is None
+
+
+def test_publish_bench_replaces_the_table_between_the_markers(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("publish_bench", ROOT / "benchmarks" / "publish_bench.py")
+    publish = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publish)
+    for page in publish.PAGES:  # the pages `make bench-docs` rewrites hold exactly one table slot
+        publish.replace_between_markers(page.read_text(), "x", page.name)
+    text = f"before\n{publish.START}\nold table\n{publish.END}\nafter\n"
+    assert publish.replace_between_markers(text, "| new |\n", "page") == \
+        f"before\n{publish.START}\n| new |\n{publish.END}\nafter\n"
+    with pytest.raises(ValueError, match="expected one"):
+        publish.replace_between_markers("no markers", "x", "page")
