@@ -23,7 +23,7 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from lightning_amp.bench.meta import cpu_bf16_flags
+from lightning_amp.bench.meta import commit, cpu_bf16_flags
 from lightning_amp.bench.models import MODELS, SIZES
 from lightning_amp.bench.runner import DEFAULT_WARMUP
 from lightning_amp.bench.worker import ACCELERATORS, DTYPES, LEVELS
@@ -124,13 +124,13 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:  # e.g. --accelerator cuda without a GPU
         parser.error(str(error))
     console = Console()
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started, source = datetime.datetime.now(datetime.timezone.utc), commit()
     records = run_matrix(specs, console=console)
     finished = datetime.datetime.now(datetime.timezone.utc)
 
     ok = [r for r in records if not r.get("error")]
     command = f"lightning-amp {shlex.join(args.argv)}"
-    run = run_metadata(records, command, started, finished)
+    run = run_metadata(records, command, started, finished, source)
     title = f"lightning-amp bench: {describe(run)}"
     print_results(records, title, console)
     os.makedirs(args.out, exist_ok=True)

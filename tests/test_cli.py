@@ -94,6 +94,7 @@ def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
     assert run["steps"] == {"feedforward": 3, "unet": 3, "bert": 3} and run["torch"] == torch.__version__
     assert run["commit"] and run["date"].endswith("UTC") and run["command"] == "lightning-amp " + " ".join(argv)
     assert "cores" in run["device"] and {"lightning", "backend", "cpu_bf16", "duration_s"} <= set(run)
+    assert run["threads"] == {"feedforward": 1, "unet": 1, "bert": 1}
     pairs = [(r["model"], r["level"]) for r in records]
     assert pairs == [(m, lv) for m in ("feedforward", "unet", "bert") for lv in QUICK_LEVELS]
     for record in records:

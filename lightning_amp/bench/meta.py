@@ -31,9 +31,9 @@ def cpu_bf16_flags() -> str:
 
 
 def run_metadata(records: Sequence[dict], command: str, started: datetime.datetime,
-                 finished: datetime.datetime) -> dict:
-    """The run-level facts every figure depends on. ``steps``/``warmup_steps``/``threads`` map model -> value
-    (from the successful records; the CPU's thread count is part of ``device``)."""
+                 finished: datetime.datetime, source: str) -> dict:
+    """The run-level facts every figure depends on. ``source``: :func:`commit` read when the run started.
+    ``steps``/``warmup_steps``/``threads``/``sizes`` map model -> value (from the successful records)."""
     import lightning
     import torch
 
@@ -45,7 +45,7 @@ def run_metadata(records: Sequence[dict], command: str, started: datetime.dateti
     return {
         "date": f"{started:%Y-%m-%d %H:%M} UTC",
         "duration_s": round((finished - started).total_seconds(), 1),
-        "commit": commit(),
+        "commit": source,
         "command": command,
         "lightning_amp": lightning_amp.__version__,
         "torch": torch.__version__,
@@ -56,6 +56,7 @@ def run_metadata(records: Sequence[dict], command: str, started: datetime.dateti
         "cpu_bf16": cpu_bf16_flags(),
         "steps": {r["model"]: r["steps"] for r in ok},
         "warmup_steps": {r["model"]: r.get("warmup_steps") for r in ok},
+        "threads": {r["model"]: r.get("threads") for r in ok},
         "sizes": {r["model"]: f"{r.get('size')}, batch {r.get('batch_size')}" for r in ok},
     }
 
