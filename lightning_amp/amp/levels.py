@@ -250,5 +250,5 @@ def check_scaler_keywords(properties: AmpProperties, loss_scale: Optional[LossSc
         raise ValueError(f"{names} configure the dynamic loss scale, but `loss_scale={loss_scale!r}` is static; "
                          'pass loss_scale="dynamic" or leave them out')
     why = "bfloat16 needs no scaling" if properties.dtype == torch.bfloat16 else f"the {properties.opt_level} default"
-    warn(f"{names} have no effect: the loss scale is a fixed {properties.loss_scale} ({why}); "
+    warn(f"{names}: no effect, the loss scale is a fixed {properties.loss_scale} ({why}); "
          'pass loss_scale="dynamic" to use them')
