@@ -296,25 +296,26 @@ def test_chart_labels_do_not_overlap_and_untrained_runs_are_marked():
     from lightning_amp.bench.chart import build_figure
 
     levels = ("fp32", "bf16-mixed", "bf16-true", "O1", "O2", "O3")
-    records = [_record("bert", lv, 300 - 20 * i, 900 - 50 * i, 0.5, learned=lv != "O3") for i, lv in enumerate(levels)]
+    records = [_record(model, lv, 300 - 20 * i, 900 - 50 * i, 0.5, learned=lv != "O3")
+               for model in ("feedforward", "unet", "bert") for i, lv in enumerate(levels)]
     run = {"date": "2026-11-23 14:00 UTC", "commit": "abc1234", "device": "Some CPU (2 cores, 1 threads)",
            "cpu_bf16": "avx512_bf16=yes", "torch": "2.13.0", "lightning": "2.6.6", "backend": "cpu-ext",
            "steps": {"bert": 5}}
     title = "lightning-amp bench on a CPU with a long model name: ratios to fp32 and to Lightning's mixed precision"
-    figure, bars = build_figure(records, title=title, run=run)  # one model: the narrowest figure
-    assert bars == 6 * 6
-    figure.canvas.draw()
-    renderer = figure.canvas.get_renderer()
-    box = figure.bbox
-    for axis in figure.axes:
-        labels = [t for t in axis.get_xticklabels() if t.get_text()]
-        assert [t.get_text() for t in labels] == ["fp32", "bf16-mixed", "bf16-true", "O1", "O2", "O3*"]
-        extents = [t.get_window_extent(renderer) for t in labels]
-        for left, right in zip(extents, extents[1:]):
-            assert not left.overlaps(right), (left, right)
-    for text in [figure._suptitle, *figure.texts]:  # title and metadata lie inside the figure
-        extent = text.get_window_extent(renderer)
-        assert extent.x0 >= box.x0 and extent.x1 <= box.x1, text.get_text()
+    for models in (3, 1):  # three narrow columns of panels (the default matrix), and the narrowest figure
+        figure, bars = build_figure(records[-6 * models:], title=title, run=run)
+        assert bars == models * 6 * 6
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        for axis in figure.axes:
+            labels = [t for t in axis.get_xticklabels() if t.get_text()]
+            assert [t.get_text() for t in labels] == ["fp32", "bf16-mixed", "bf16-true", "O1", "O2", "O3*"]
+            extents = [t.get_window_extent(renderer) for t in labels]
+            for left, right in zip(extents, extents[1:]):
+                assert not left.overlaps(right), (left, right)
+        for text in [figure._suptitle, *figure.texts]:  # title and metadata lie inside the figure
+            extent = text.get_window_extent(renderer)
+            assert extent.x0 >= figure.bbox.x0 and extent.x1 <= figure.bbox.x1, text.get_text()
     notes = " ".join(t.get_text().replace("\n", " ") for t in figure.texts)
     assert "abc1234" in notes and "torch 2.13.0" in notes and "bert 5" in notes and "did not learn" in notes
     hatched = [p for p in figure.axes[0].patches if p.get_hatch()]

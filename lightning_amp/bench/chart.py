@@ -3,7 +3,7 @@
 Rows: speed-up against fp32 and against Lightning's ``bf16-mixed`` (higher is better), peak-memory ratio
 against both (lower is better), then the absolute step time (ms) and peak memory (MiB). A dashed line
 marks 1.0 on the ratio rows. Runs whose loss did not fall below chance (``learned`` false) are hatched
-and their level is marked with ``*`` on the axis. Level names are rotated so they never overlap; the
+and their level is marked with ``*`` on the axis. Level names are set vertically so they never overlap; the
 title and the run's metadata (date, commit, device, threads, versions, steps) are wrapped to the
 figure's width.
 """
@@ -79,7 +79,7 @@ def build_figure(records: Sequence[dict], title: str = "lightning-amp bench", ru
                 axis.bar_label(drawn, fmt="%.2f" if ratio else ("%.0f" if max(values) >= 100 else "%.1f"), fontsize=7)
             if ratio:
                 axis.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-            axis.set_xticks(range(len(shown)), ticks, rotation=35, ha="right", fontsize=8)
+            axis.set_xticks(range(len(shown)), ticks, rotation=90, fontsize=8)
             if peer is not None:
                 label = label.replace("bf16-mixed", peer["level"])
             axis.set_ylabel(f"{label}\n({better})", fontsize=8)
