@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.lightning-amp-installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test bench docs clean
+.PHONY: install test bench bench-docs docs clean
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ test: install
 
 bench: install
 	$(VENV)/bin/lightning-amp bench --out bench-out
+
+# The published CPU table and chart: bench at this commit, then README.md, docs/benchmarks.md and
+# docs/img/bench.png updated from bench-out/ (the prose around the table is for a person to reread).
+bench-docs: install
+	$(VENV)/bin/lightning-amp bench --accelerator cpu --out bench-out
+	$(PY) benchmarks/publish_bench.py bench-out
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict

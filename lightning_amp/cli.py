@@ -4,6 +4,7 @@
                         [--dtype auto] [--accelerator auto|cpu|cuda] [--steps N] [--size tiny|small|base]
                         [--batch-size N] [--out DIR] [--quick]
     lightning-amp info
+    lightning-amp --version
 
 ``bench`` trains each example model at each level (lightning-amp's O0-O3 and Lightning's own
 precisions) in a fresh process, with the batches drawn on the device before timing, and prints a
@@ -19,16 +20,21 @@ import argparse
 import datetime
 import os
 import shlex
-import subprocess
 import sys
 from typing import Optional, Sequence
 
+from lightning_amp.bench.meta import commit, cpu_bf16_flags
 from lightning_amp.bench.models import MODELS, SIZES
 from lightning_amp.bench.runner import DEFAULT_WARMUP
 from lightning_amp.bench.worker import ACCELERATORS, DTYPES, LEVELS
 
 MODEL_NAMES = tuple(MODELS)
 QUICK = dict(size="tiny", steps=3, warmup=1)
+EXAMPLES = """examples:
+  lightning-amp bench --quick                        # smoke run: tiny models, six levels, 1 warm-up + 3 timed steps
+  lightning-amp bench --models bert --levels fp32,bf16-mixed,O2 --steps 50 --out bench-out
+  lightning-amp info                                 # versions, compiled backend, bf16 instructions of this CPU
+"""
 
 
 def default_levels(dtype: str) -> list[str]:
@@ -61,7 +67,11 @@ def _int_at_least(minimum: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-amp", description="lightning-amp command line tools")
+    import lightning_amp
+
+    parser = argparse.ArgumentParser(prog="lightning-amp", description="lightning-amp command line tools",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"lightning-amp {lightning_amp.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{bench,info}")
 
     bench = commands.add_parser("bench", help="time and memory of the example models at each precision level",
@@ -100,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
 
-    from lightning_amp.bench import draw_chart, markdown_table, plan_runs, rich_table, run_matrix, write_json
+    from lightning_amp.bench import (draw_chart, markdown_table, plan_runs, print_results, run_matrix,
+                                     run_metadata, write_json)
+    from lightning_amp.bench.meta import describe
 
     size = args.size or (QUICK["size"] if args.quick else None)
     steps = args.steps or (QUICK["steps"] if args.quick else None)
@@ -112,68 +124,43 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:  # e.g. --accelerator cuda without a GPU
         parser.error(str(error))
     console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)  # piped or captured: do not squeeze the table into 80 columns
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started, source = datetime.datetime.now(datetime.timezone.utc), commit()
     records = run_matrix(specs, console=console)
     finished = datetime.datetime.now(datetime.timezone.utc)
 
     ok = [r for r in records if not r.get("error")]
-    device = ok[0]["device_name"] if ok else "unknown device"
-    import torch
-
-    title = (f"lightning-amp bench, {started:%Y-%m-%d %H:%M} UTC, {device}, torch {torch.__version__}, "
-             f"commit {_commit()}")
-    console.print(rich_table(records, title=title))
+    command = f"lightning-amp {shlex.join(args.argv)}"
+    run = run_metadata(records, command, started, finished, source)
+    title = f"lightning-amp bench: {describe(run)}"
+    print_results(records, title, console)
     os.makedirs(args.out, exist_ok=True)
-    write_json(records, os.path.join(args.out, "bench.json"))
+    write_json(records, os.path.join(args.out, "bench.json"), run=run)
     with open(os.path.join(args.out, "bench.md"), "w") as md:
-        md.write(f"{title}; {(finished - started).total_seconds():.0f} s in all\n\n"
-                 f"command: `lightning-amp {shlex.join(args.argv)}`\n\n")
+        md.write(f"{title}; {run['duration_s']:.0f} s in all\n\ncommand: `{command}`\n\n")
         md.write(markdown_table(records))
     if ok:
-        draw_chart(records, os.path.join(args.out, "bench.png"), title=f"lightning-amp bench ({device})")
+        draw_chart(records, os.path.join(args.out, "bench.png"),
+                   title=f"lightning-amp bench on {run['device']}: ratios to fp32 and to Lightning's mixed precision",
+                   run=run)
     console.print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if ok else "")
-                  + f" in {(finished - started).total_seconds():.0f} s")
+                  + f" in {run['duration_s']:.0f} s")
     return 0 if len(ok) == len(records) else 1
 
 
-def _commit() -> str:
-    """The source checkout's short commit (with "+dirty" for local changes), or "unknown"."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
-def _cpu_bf16_flags() -> str:
-    """Which bf16 instruction sets the CPU reports (bf16 GEMMs beat fp32 by far only with AMX)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return "unknown"
-    return ", ".join(f"{flag}={'yes' if flag in flags else 'no'}" for flag in ("avx512_bf16", "amx_bf16", "amx_tile"))
-
-
 def _info() -> int:
+    import lightning
     import torch
 
     import lightning_amp
     from lightning_amp import ops
 
-    print(f"lightning-amp {lightning_amp.__version__}, torch {torch.__version__}")
+    print(f"lightning-amp {lightning_amp.__version__}, torch {torch.__version__}, lightning {lightning.__version__}")
     if ops.extension_error() is None:
         print(f"compiled extension: loaded from {ops.extension_path()}")
     else:
         print(f"compiled extension: NOT in use: {ops.extension_error()}")
     print(f"cpu backend: {ops.backend('cpu')}; cpu threads: {torch.get_num_threads()}; "
-          f"cpu bf16 instructions: {_cpu_bf16_flags()}")
+          f"cpu bf16 instructions: {cpu_bf16_flags()}")
     if torch.cuda.is_available():
         print(f"cuda: {torch.cuda.get_device_name()}, bf16 supported: {torch.cuda.is_bf16_supported()}, "
               f"backend: {ops.backend('cuda')}")

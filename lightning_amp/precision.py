@@ -46,7 +46,7 @@ from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
-from lightning_amp.amp.levels import AmpProperties, resolve_properties
+from lightning_amp.amp.levels import AmpProperties, check_scaler_keywords, resolve_properties
 from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
 from lightning_amp.amp.scaler import LossScaler
@@ -132,6 +132,7 @@ class AmpPrecision(Precision):
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
         self._new_scaler()  # validates the scaler arguments now
+        check_scaler_keywords(self._properties, self._request["loss_scale"], self._scaler_kwargs, rank_zero_warn)
         props = self._properties
         half = "bf16" if props.dtype == torch.bfloat16 else "16"
         if props.opt_level == "O0":

@@ -89,7 +89,12 @@ def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "speed-up" in printed and "vs mixed" in printed and "bert" in printed
 
-    records = json.loads((out / "bench.json").read_text())
+    saved = json.loads((out / "bench.json").read_text())
+    run, records = saved["run"], saved["records"]
+    assert run["steps"] == {"feedforward": 3, "unet": 3, "bert": 3} and run["torch"] == torch.__version__
+    assert run["commit"] and run["date"].endswith("UTC") and run["command"] == "lightning-amp " + " ".join(argv)
+    assert "cores" in run["device"] and {"lightning", "backend", "cpu_bf16", "duration_s"} <= set(run)
+    assert run["threads"] == {"feedforward": 1, "unet": 1, "bert": 1}
     pairs = [(r["model"], r["level"]) for r in records]
     assert pairs == [(m, lv) for m in ("feedforward", "unet", "bert") for lv in QUICK_LEVELS]
     for record in records:
@@ -99,6 +104,8 @@ def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
         assert record["dtype"] == ("float32" if record["level"] == "fp32" else "bfloat16")
         assert record["peak_mem_method"] in METHODS and record["peak_mem_clamped"] in (True, False)
         assert record["optimizer"].split("(")[0] in ("AdamW", "Adam")  # what the examples configure
+        assert record["stepped_by"] == ("lightning-amp kernels" if record["level"] == "O2" else "optimizer.step()")
+        assert record["threads"] == 1
         assert record["precision_plugin"] == {"fp32": "Precision", "bf16-mixed": "MixedPrecision",
                                               "bf16-true": "HalfPrecision", "O2": "AmpO2Plugin"}[record["level"]]
         for key in ("step_time_ms", "samples_per_s", "peak_mem_mb", "final_loss", "chance_loss"):
@@ -112,7 +119,7 @@ def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
             assert first_losses[level] == pytest.approx(first_losses["fp32"], rel=0.03), (model, first_losses)
 
     pixels = _png_pixels(out / "bench.png")
-    assert pixels.shape[0] >= 600 and pixels.shape[1] >= 1200  # 3 model columns, 2 rows of bars
+    assert pixels.shape[0] >= 1200 and pixels.shape[1] >= 1200  # 3 model columns, 6 rows of bars
     for level in QUICK_LEVELS:
         assert _has_colour(pixels, LEVEL_COLOURS[level]), f"no {level} bars in the chart"
     table = (out / "bench.md").read_text()
@@ -277,12 +284,58 @@ def test_chart_draws_two_bars_per_successful_run(tmp_path):
     records.append({**_record("unet", "fp32", 50, 100, 1.0)})
     records.append({**_record("unet", "O2", 1, 1, 1.0), "error": "boom"})
     path = tmp_path / "chart.png"
-    assert draw_chart(records, str(path)) == 8
+    assert draw_chart(records, str(path)) == 16  # per run: 2 ratios to fp32 (no bf16-mixed run), 2 absolute
     pixels = _png_pixels(path)
-    assert pixels.shape[1] > pixels.shape[0] and pixels[..., :3].std() > 0.05
+    assert pixels.shape[0] > 1000 and pixels[..., :3].std() > 0.05  # six rows of panels
     assert _has_colour(pixels, LEVEL_COLOURS["O2"]) and not _has_colour(pixels, LEVEL_COLOURS["O3"])
     with pytest.raises(ValueError, match="no successful run"):
         draw_chart([records[-1]], str(tmp_path / "empty.png"))
+
+
+def test_chart_labels_do_not_overlap_and_untrained_runs_are_marked():
+    from lightning_amp.bench.chart import build_figure
+
+    levels = ("fp32", "bf16-mixed", "bf16-true", "O1", "O2", "O3")
+    records = [_record(model, lv, 300 - 20 * i, 900 - 50 * i, 0.5, learned=lv != "O3")
+               for model in ("feedforward", "unet", "bert") for i, lv in enumerate(levels)]
+    run = {"date": "2026-11-23 14:00 UTC", "commit": "abc1234", "device": "Some CPU (2 cores, 1 threads)",
+           "cpu_bf16": "avx512_bf16=yes", "torch": "2.13.0", "lightning": "2.6.6", "backend": "cpu-ext",
+           "steps": {"bert": 5}}
+    title = "lightning-amp bench on a CPU with a long model name: ratios to fp32 and to Lightning's mixed precision"
+    for models in (3, 1):  # three narrow columns of panels (the default matrix), and the narrowest figure
+        figure, bars = build_figure(records[-6 * models:], title=title, run=run)
+        assert bars == models * 6 * 6
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        for axis in figure.axes:
+            labels = [t for t in axis.get_xticklabels() if t.get_text()]
+            assert [t.get_text() for t in labels] == ["fp32", "bf16-mixed", "bf16-true", "O1", "O2", "O3*"]
+            extents = [t.get_window_extent(renderer) for t in labels]
+            for left, right in zip(extents, extents[1:]):
+                assert not left.overlaps(right), (left, right)
+        for text in [figure._suptitle, *figure.texts]:  # title and metadata lie inside the figure
+            extent = text.get_window_extent(renderer)
+            assert extent.x0 >= figure.bbox.x0 and extent.x1 <= figure.bbox.x1, text.get_text()
+    notes = " ".join(t.get_text().replace("\n", " ") for t in figure.texts)
+    assert "abc1234" in notes and "torch 2.13.0" in notes and "bert 5" in notes and "did not learn" in notes
+    hatched = [p for p in figure.axes[0].patches if p.get_hatch()]
+    assert len(hatched) == 1  # the O3 bar
+
+
+def test_piped_table_is_full_width_markdown():
+    import io
+
+    from rich.console import Console
+
+    from lightning_amp.bench import print_results
+
+    records = [_record("a-model-with-a-rather-long-name", "fp32", 10.0, 100.0, 0.5),
+               _record("a-model-with-a-rather-long-name", "bf16-mixed", 8.0, 90.0, 0.5)]
+    stream = io.StringIO()
+    print_results(records, "title", Console(file=stream, width=80))
+    text = stream.getvalue()
+    assert "…" not in text and "| a-model-with-a-rather-long-name | bf16-mixed |" in text
+    assert "AdamW(fused=None, foreach=None)" in text
 
 
 def test_peak_memory_sees_a_large_allocation():
@@ -311,9 +364,30 @@ def test_peak_memory_records_the_lifetime_fallback_and_the_clamp(monkeypatch):
 
 
 def test_info_reports_versions_and_backend(capsys):
+    import lightning
+
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "cpu backend:" in out and "amx_bf16=" in out
+    assert f"lightning {lightning.__version__}" in out
+
+
+def test_version_and_help_with_examples(capsys):
+    import lightning_amp
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lightning-amp {lightning_amp.__version__}"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "examples:" in help_text
+    examples = [line.split("#")[0].split() for line in help_text.split("examples:")[1].splitlines() if line.strip()]
+    assert len(examples) >= 2
+    for example in examples:  # each example parses as written
+        cli.build_parser().parse_args(example[1:])
 
 
 def test_bench_json_is_strict_even_when_a_loss_diverged(tmp_path):
@@ -321,8 +395,9 @@ def test_bench_json_is_strict_even_when_a_loss_diverged(tmp_path):
 
     record = {"model": "bert", "level": "O3", "final_loss": float("nan"), "loss_curve": [1.0, float("inf")]}
     path = tmp_path / "bench.json"
-    write_json([record], str(path))
+    write_json([record], str(path), run={"commit": "abc"})
     text = path.read_text()
     assert "NaN" not in text and "Infinity" not in text
     loaded = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-strict JSON constant {name}"))
-    assert loaded[0]["final_loss"] is None and loaded[0]["loss_curve"] == [1.0, None]
+    assert loaded["run"] == {"commit": "abc"}
+    assert loaded["records"][0]["final_loss"] is None and loaded["records"][0]["loss_curve"] == [1.0, None]

@@ -733,3 +733,18 @@ def test_manual_optimization_clip_gradients_sees_unscaled_grads():
     assert len(plugin.scalers) == 1  # the LightningOptimizer wrapper maps to the optimizer's own scaler
     # SGD moves by lr * clipped grad: norm lr * 1e-3 (clipping the scaled grads would give 1024x less)
     assert model.deltas == pytest.approx([0.5e-3, 0.5e-3], rel=1e-3)
+
+
+def test_scaler_keywords_with_a_fixed_scale_raise_or_warn():
+    """A static scale ignores the dynamic scaler's keywords: explicit contradiction raises, a default warns."""
+    with pytest.raises(ValueError, match=r"`growth_interval`, `init_scale` configure the dynamic loss scale"):
+        AmpO2Plugin(dtype="float16", loss_scale=128.0, init_scale=2.0**10, growth_interval=10)
+    for make, why in ((lambda: AmpO2Plugin(dtype="bfloat16", hysteresis=2), "bfloat16 needs no scaling"),
+                      (lambda: AmpO3Plugin(dtype="float16", min_loss_scale=4.0), "the O3 default")):
+        with pytest.warns(UserWarning, match=rf": no effect, the loss scale is a fixed 1.0 \({why}\)"):
+            make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AmpO2Plugin(dtype="float16", init_scale=2.0**10)  # dynamic: used
+        AmpO2Plugin(dtype="bfloat16", loss_scale="dynamic", growth_interval=10)
+        AmpO2Plugin(dtype="bfloat16", loss_scale=1.0)  # nothing given

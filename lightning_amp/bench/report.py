@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from rich.console import Console
 from rich.table import Table
 
 BASELINE_LEVELS = ("fp32", "32-true", "O0")
@@ -84,9 +85,9 @@ def compare(records: Sequence[dict]) -> list[Comparison]:
     return comparisons
 
 
-HEADERS = ("model", "level", "dtype", "optimizer", "step ms", "samples/s", "speed-up", "vs mixed", "peak MiB",
+HEADERS = ("model", "level", "dtype", "optimizer", "stepped by", "step ms", "samples/s", "speed-up", "vs mixed", "peak MiB",
            "mem ratio", "mem vs mixed", "final loss", "loss/chance", "Δ loss")
-_LEFT = ("model", "level", "dtype", "optimizer")
+_LEFT = ("model", "level", "dtype", "optimizer", "stepped by")
 
 
 def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
@@ -96,13 +97,13 @@ def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
 def _cells(c: Comparison) -> tuple[str, ...]:
     r = c.record
     if r.get("error"):
-        return (r["model"], r["level"], "-", "-", "failed") + ("-",) * (len(HEADERS) - 6) + (r["error"][:60],)
+        return (r["model"], r["level"], "-", "-", "-", "failed") + ("-",) * (len(HEADERS) - 7) + (r["error"][:60],)
     loss_over_chance = _ratio(r["final_loss"], r.get("chance_loss"))
     delta = _fmt(None if c.loss_difference is None else 100 * c.loss_difference, "+.2f", "%")
     if c.loss_difference is not None and not c.baseline_learned:
         delta += " (untrained)"
     return (
-        r["model"], r["level"], r["dtype"], r.get("optimizer", "-"), _fmt(r["step_time_ms"], ".1f"),
+        r["model"], r["level"], r["dtype"], r.get("optimizer", "-"), r.get("stepped_by", "-"), _fmt(r["step_time_ms"], ".1f"),
         _fmt(r["samples_per_s"], ".1f"), _fmt(c.speedup, ".2f", "x"), _fmt(c.speedup_vs_mixed, ".2f", "x"),
         _fmt(r["peak_mem_mb"], ".0f"), _fmt(c.memory_ratio, ".2f"), _fmt(c.memory_vs_mixed, ".2f"),
         _fmt(r["final_loss"], ".4f"), _fmt(loss_over_chance, ".2f"), delta,
@@ -139,8 +140,18 @@ def _strict_json(value):
     return value
 
 
-def write_json(records: Sequence[dict], path: str) -> None:
-    """Write the records as a strict JSON list (every successful record has at least :data:`JSON_KEYS`)."""
+def write_json(records: Sequence[dict], path: str, run: Optional[dict] = None) -> None:
+    """Write ``{"run": run, "records": [...]}`` as strict JSON (every successful record has at least
+    :data:`JSON_KEYS`; ``run`` is :func:`lightning_amp.bench.meta.run_metadata`, or null)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as out:
-        json.dump(_strict_json(list(records)), out, indent=1, allow_nan=False)
+        json.dump(_strict_json({"run": run, "records": list(records)}), out, indent=1, allow_nan=False)
+
+
+def print_results(records: Sequence[dict], title: str, console: Console) -> None:
+    """The table on ``console``: a rich table on a terminal, else (piped, captured) the Markdown table at
+    full width, so no cell is cut to fit a terminal that is not there."""
+    if console.is_terminal:
+        console.print(rich_table(records, title=title))
+    else:
+        console.file.write(f"{title}\n\n{markdown_table(records)}")

@@ -129,6 +129,18 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__name__}({', '.join(flags)})" if flags else type(optimizer).__name__
 
 
+STEPPED_BY = {"kernel": "lightning-amp kernels", "protocol": "optimizer, in-kernel unscale",
+              "host": "optimizer.step()"}
+
+
+def stepped_by(trainer: L.Trainer) -> str:
+    """Who ran the update: lightning-amp's kernels (a plain torch Adam/AdamW/SGD under the plugin), the
+    optimizer with in-kernel unscaling (FusedAdam, ``fused=True``), or the optimizer's own ``step()``."""
+    engine = getattr(trainer.precision_plugin, "_engine", None)  # lightning-amp's plugins only
+    states = engine.states if engine is not None else []
+    return STEPPED_BY[states[0].driver] if states else STEPPED_BY["host"]
+
+
 def resolved_dtype_name(level: str, dtype: str, device_type: str) -> str:
     """The dtype a level computes in: "float32" for fp32/O0, else the resolved half dtype's name."""
     if level in ("fp32", "O0", "32-true"):
@@ -206,6 +218,8 @@ def run(spec: RunSpec) -> dict:
         "chance_loss": chance,
         "learned": math.isfinite(final) and final < LEARNED_FRACTION * chance,
         "optimizer": describe_optimizer(trainer.optimizers[0]),
+        "stepped_by": stepped_by(trainer),
+        "threads": torch.get_num_threads(),
         "precision_plugin": type(trainer.precision_plugin).__name__,
         "size": spec.size,
         "batch_size": example.batch_size,

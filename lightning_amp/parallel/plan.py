@@ -10,7 +10,8 @@ stays split when its parent also holds a row layer of the plan, else it is gathe
 
 :func:`build_plan` validates the whole plan *before anything changes*, raising ValueError naming
 the module paths when a column layer would feed anything but its row partner (a unit only partly in
-an explicit plan, a row layer without a column partner), when heads or features do not divide by
+an explicit plan, a row layer without a column partner, a norm or reshape between a named MLP's layers:
+:mod:`~lightning_amp.parallel.between`), when heads or features do not divide by
 the TP size, or when nothing would be split (unless ``allow_replicated``). So a model is either
 converted as planned or left untouched: never half-converted. Conversion copies this rank's slice of
 the module's *current* weights.
@@ -24,6 +25,7 @@ from typing import Any, Mapping, Optional, Union
 from torch import nn
 
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
+from lightning_amp.parallel.between import between_problem
 from lightning_amp.parallel.families import HEAD_ATTRS, Unit, find_units, is_conv1d, multihead_attention_unit
 from lightning_amp.parallel.groups import group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -141,6 +143,9 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
         if bad:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {'; '.join(bad)} not divisible by "
                             f"tensor_parallel_size={tp}")
+        problem = _between(module, unit)
+        if problem:
+            problems.append(f"{', '.join(unit.members)} ({unit.family}): {problem}")
         if sequence_parallel and (unit.chunks or unit.transposed or len({n.rpartition('.')[0] for n in unit.columns + unit.rows}) > 1):
             problems.append(f"{', '.join(unit.members)} ({unit.family}): sequence_parallel=True is supported for "
                             "nn.MultiheadAttention and for column/row layers in one parent module only")
@@ -158,6 +163,20 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
     for unit in units:
         result.decisions.update(_unit_kinds(unit))
     return result
+
+
+#: families whose column -> row data flow is not fixed by the family's own code and must be checked
+_FREE_FLOW = {"named MLP": True, "explicit": False}  # family -> trace the parent's forward with torch.fx
+
+
+def _between(module: nn.Module, unit: Unit) -> Optional[str]:
+    if unit.family not in _FREE_FLOW or not unit.columns or not unit.rows:
+        return None
+    parent = unit.columns[0].rpartition(".")[0]
+    if any(name.rpartition(".")[0] != parent for name in unit.columns + unit.rows):
+        return None
+    width = _dims(module, unit.columns[0])[1]
+    return between_problem(module, parent, unit.columns, unit.rows, width, trace=_FREE_FLOW[unit.family])
 
 
 def _parent(module: nn.Module, name: str):

@@ -1,0 +1,115 @@
+"""What lies between a column-parallel layer and its row-parallel partner.
+
+A column layer's output is split along its last (feature) dimension; the row layer takes that shard.
+Everything the shard passes through on the way must act elementwise on it (activations, dropout, the
+product of two column outputs as in a gated MLP): a norm over the features, a BatchNorm with one
+running mean per feature, or a view that mixes the split dimension into others would see a shard where
+it expects the full tensor (e.g. ``running_mean should contain 16 elements not 32``).
+
+:func:`between_problem` says why a unit cannot be split that way, or None. It traces the unit's parent
+module with :mod:`torch.fx` when that works and checks every node on the way from the columns to the
+row; a parent fx cannot trace (data-dependent control flow, as in many ``transformers`` layers) is
+checked by structure only: no normalisation layer over the split width among the parent's other
+children. Nothing is changed or run on real data.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_amp.parallel.families import ELEMENTWISE
+
+_ELEMENTWISE_FUNCTIONS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.exp, torch.erf, torch.tanh,
+    torch.sigmoid, torch.relu, torch.clamp, torch.sqrt, torch.abs,
+    F.relu, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.relu6, F.hardswish, F.hardtanh,
+    F.softplus, F.sigmoid, F.tanh, F.dropout,
+})
+_ELEMENTWISE_METHODS = frozenset({
+    "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "relu", "clamp", "sqrt", "abs",
+    "float", "half", "bfloat16", "to", "type", "type_as", "contiguous",
+})
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm)
+
+
+def between_problem(module: nn.Module, parent: str, columns: list[str], rows: list[str], width: int,
+                    trace: bool = True) -> Optional[str]:
+    """Why the split outputs of ``columns`` (paths in ``module``, children of ``parent``, ``width`` output
+    features each) cannot flow into ``rows`` as a shard, or None when everything between acts elementwise.
+    ``trace=False`` checks the structure only (explicit plans: the user vouches for the data flow, which
+    may reshape heads as attention does)."""
+    owner = module.get_submodule(parent) if parent else module
+    local = {path.rpartition(".")[2] for path in columns}
+    rows_local = {path.rpartition(".")[2] for path in rows}
+    row = ", ".join(rows)
+    graph = None
+    if trace:
+        try:
+            graph = torch.fx.symbolic_trace(owner).graph
+        except Exception:  # noqa: BLE001 (fx refuses many real forwards: fall back to the structure)
+            graph = None
+    if graph is None:
+        return _norm_sibling(owner, parent, local | rows_local, width)
+    starts = [n for n in graph.nodes if n.op == "call_module" and n.target in local]
+    ends = [n for n in graph.nodes if n.op == "call_module" and n.target in rows_local]
+    if not starts or not ends:
+        return None  # the layers are not called directly by the parent: nothing to check here
+    after_columns = _reach(starts, lambda n: n.users)
+    before_row = _reach(ends, lambda n: n.all_input_nodes)
+    after_row = _reach(ends, lambda n: n.users)
+    for node in graph.nodes:  # in program order: the first offender is named
+        if node not in after_columns or node in ends or node in after_row:
+            continue
+        if node not in before_row:
+            return f"the split output reaches {_describe(owner, parent, node)} without passing through {row}"
+        if not _elementwise(owner, node):
+            return (f"{_describe(owner, parent, node)} acts on the split dimension between "
+                    f"{', '.join(columns)} and {row} (only elementwise operations may lie between them)")
+    return None
+
+
+def _reach(nodes, step) -> set:
+    seen, todo = set(), [m for n in nodes for m in step(n)]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(step(node))
+    return seen
+
+
+def _elementwise(owner: nn.Module, node) -> bool:
+    if node.op == "call_module":
+        return isinstance(owner.get_submodule(node.target), ELEMENTWISE)
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    return False
+
+
+def _describe(owner: nn.Module, parent: str, node) -> str:
+    if node.op == "call_module":
+        path = f"{parent}.{node.target}" if parent else node.target
+        return f"{path} ({type(owner.get_submodule(node.target)).__name__})"
+    if node.op == "output":
+        return "the module's output"
+    return f"{getattr(node.target, '__name__', node.target)} ({node.op})"
+
+
+def _norm_sibling(owner: nn.Module, parent: str, unit_children: set[str], width: int) -> Optional[str]:
+    for name, child in owner.named_children():
+        if name in unit_children or not isinstance(child, _NORMS):
+            continue
+        features = getattr(child, "num_features", None) or getattr(child, "num_channels", None)
+        shape = getattr(child, "normalized_shape", None)
+        if features == width or (shape and shape[-1] == width):
+            path = f"{parent}.{name}" if parent else name
+            return (f"{path} ({type(child).__name__}) normalises {width} features, the width the column layers "
+                    "split; it may lie between them and the row layer")
+    return None
