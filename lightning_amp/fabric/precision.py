@@ -26,7 +26,6 @@ Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, Generator, List, Optional
 
 import torch
