@@ -50,7 +50,7 @@ from lightning_amp.amp.levels import AmpProperties, check_scaler_keywords, resol
 from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
 from lightning_amp.amp.scaler import LossScaler
-from lightning_amp.amp.step import OptimizerStep, agree, unscales_in_step
+from lightning_amp.amp.step import OptimizerStep
 
 _STATE_VERSION = 1
 
@@ -191,8 +191,17 @@ class AmpPrecision(Precision):
         """Cast the model in place and hook its outputs. O0: fp32. Master weights (O2): params fp32,
         buffers half, BatchNorm fp32 if kept; forward sees half copies of the params. O3: half."""
         trainer = getattr(module, "_trainer", None)
-        if trainer is not None:
-            self._use_device_type(trainer.strategy.root_device.type)
+        if trainer is None:
+            raise TypeError(
+                f"{type(self).__name__} is a Lightning Trainer plugin and got a module without a Trainer (Lightning "
+                f"Fabric?). With Fabric use lightning_amp.fabric.{_FABRIC_NAMES.get(type(self).__name__, 'AmpPrecision')}"
+                f"(...): `Fabric(plugins=[{_FABRIC_NAMES.get(type(self).__name__, 'AmpPrecision')}()])`."
+            )
+        self._use_device_type(trainer.strategy.root_device.type)
+        self._convert_module(module)
+        return module
+
+    def _convert_module(self, module: Module) -> None:
         props = self._properties
         if props.opt_level == "O0":
             cast_module_(module, torch.float32)
@@ -205,7 +214,10 @@ class AmpPrecision(Precision):
                 if isinstance(sub, _DeviceDtypeModuleMixin):
                     sub._dtype = props.dtype
         cast_outputs_hook(module, props.cast_model_outputs)
-        return module
+
+    def __repr__(self) -> str:
+        props = self._properties
+        return f"{type(self).__name__}(opt_level={props.opt_level!r}, dtype={props.dtype}, loss_scale={props.loss_scale!r})"
 
     def convert_input(self, data: Any) -> Any:
         """O2/O3: floating tensors of the batch become the half dtype; other levels leave it alone."""
@@ -234,12 +246,16 @@ class AmpPrecision(Precision):
 
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """Multiply the loss by the current loss scale (computed in fp32) before the backward hooks."""
+        return super().pre_backward(self._scaled(tensor), module)
+
+    def _scaled(self, tensor: Tensor) -> Tensor:
+        """``tensor`` times the scale of the next backward (in fp32); unchanged at a static scale of 1."""
         scale = self._engine.backward_scale()
         if isinstance(scale, Tensor) or scale != 1.0:
             if tensor.dtype in (torch.float16, torch.bfloat16):
                 tensor = tensor.float()
             tensor = tensor * scale
-        return super().pre_backward(tensor, module)
+        return tensor
 
     @staticmethod
     def _clipping_requested(model: "pl.LightningModule") -> bool:
@@ -258,20 +274,15 @@ class AmpPrecision(Precision):
         **kwargs: Any,
     ) -> Any:
         """Closure, unscale (or inspect), agree on overflow, clip, then step or skip on the device."""
-        state = self._engine.state_of(optimizer)
+        self._engine.state_of(optimizer)  # an optimizer not seen at connect is checked (LBFGS) and gets a scaler
         if isinstance(optimizer, LBFGS):  # allowed only without scaling: needs its closure
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
             return None
-        state.gate.settle_deferred()  # deferred scheduler calls set the lr read below
-        factor = state.grad_factor
-        in_kernel = (unscales_in_step(optimizer) and state.driver == "protocol" and factor is not None
-                     and not (isinstance(factor, float) and factor == 1.0) and not self._clipping_requested(model))
-        found_inf = agree(state.inspect() if in_kernel else state.unscale())
-        self._after_closure(model, optimizer)
-        state.apply(found_inf, in_kernel, **kwargs)
+        self._engine.step(optimizer, lambda: self._after_closure(model, optimizer), self._clipping_requested(model),
+                          **kwargs)
         if self._half_params is not None:
             self._half_params.refresh()  # a manual step inside training_step: its next forward sees it
         self._log_metrics(model)
@@ -380,6 +391,8 @@ def _no_opt_level(kwargs: Dict[str, Any], cls_name: str) -> None:
 
 
 _PLUGIN_NAMES = ("AmpPrecision", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin")
+_FABRIC_NAMES = {"AmpPrecision": "AmpPrecision", "AmpO0Plugin": "AmpO0Precision", "AmpO1Plugin": "AmpO1Precision",
+                 "AmpO2Plugin": "AmpO2Precision", "AmpO3Plugin": "AmpO3Precision"}
 
 __all__ = ["AmpPrecision", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin", "main_params",
            "make_scheduler_skip_aware", "OVERFLOW_WARN_AFTER"]

@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_amp.amp.levels import AmpProperties
 from lightning_amp.amp.master import param_name
 from lightning_amp.amp.scaler import LossScaler
-from lightning_amp.amp.step import OptimizerStep, SkipReport
+from lightning_amp.amp.step import OptimizerStep, SkipReport, agree, unscales_in_step
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,37 @@ class AmpEngine:
         """A scaler and an OptimizerStep for every optimizer (``param_names``: param -> its names, for messages)."""
         self.param_names = param_names
         self._states = []
-        for index, optimizer in enumerate(optimizers):
-            self._check_optimizer(index, optimizer)
-            self._warn_on_vanishing_eps(index, optimizer)
-            if index >= len(self._scalers):
-                self._scalers.append(self._new_scaler())
-            self._states.append(self._new_state(optimizer, self._scalers[index], self.combine_grad))
-        if self._pending_state is not None:
+        for optimizer in optimizers:
+            self.add_optimizer(optimizer)
+        if self._pending_state is not None and self._states:
             self.load_scaler_states(self._pending_state)
             self._pending_state = None
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+        """Connect one more optimizer: a scaler (restored from a checkpoint when one is pending) and its step."""
+        index = len(self._states)
+        self._check_optimizer(index, optimizer)
+        self._warn_on_vanishing_eps(index, optimizer)
+        if index >= len(self._scalers):
+            self._scalers.append(self._new_scaler())
+        state = self._new_state(optimizer, self._scalers[index], self.combine_grad)
+        self._states.append(state)
+        return state
+
+    def step(self, optimizer: torch.optim.Optimizer, after_unscale: Callable[[], None], clipping: bool,
+             **step_kwargs: Any) -> None:
+        """One optimizer step once the backward(s) ran: settle deferred scheduler calls, unscale the grads
+        (or only inspect them when the optimizer unscales in its kernel and no ``clipping`` needs them
+        unscaled), agree on overflow across ranks, ``after_unscale()`` (hooks, clipping), then step or
+        skip on the device."""
+        state = self.state_of(optimizer)
+        state.gate.settle_deferred()  # deferred scheduler calls set the lr read below
+        factor = state.grad_factor
+        in_kernel = (unscales_in_step(state.optimizer) and state.driver == "protocol" and factor is not None
+                     and not (isinstance(factor, float) and factor == 1.0) and not clipping)
+        found_inf = agree(state.inspect() if in_kernel else state.unscale())
+        after_unscale()
+        state.apply(found_inf, in_kernel, **step_kwargs)
 
     @property
     def states(self) -> List[OptimizerStep]:

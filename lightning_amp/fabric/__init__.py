@@ -1,0 +1,6 @@
+"""Lightning Fabric glue: ``Fabric(plugins=[AmpO2Precision()])``."""
+from lightning_amp.amp.gate import make_scheduler_skip_aware
+from lightning_amp.fabric.precision import AmpO0Precision, AmpO1Precision, AmpO2Precision, AmpO3Precision, AmpPrecision
+
+__all__ = ["AmpPrecision", "AmpO0Precision", "AmpO1Precision", "AmpO2Precision", "AmpO3Precision",
+           "make_scheduler_skip_aware"]

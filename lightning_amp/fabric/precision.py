@@ -1,0 +1,175 @@
+"""AmpPrecision and AmpO0Precision..AmpO3Precision: the same mixed precision for Lightning Fabric.
+
+``Fabric(plugins=[AmpO2Precision()])``: the options, the forward and the step are those of the
+Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
+:class:`~lightning_amp.amp.engine.AmpEngine`); this file only maps Fabric's hooks onto the engine.
+
+* ``convert_module`` (in ``fabric.setup``) casts the model in place as the Trainer plugin does (O2:
+  the Parameters stay fp32 and every forward sees half copies, :mod:`lightning_amp.amp.half_params`),
+  so the optimizer the user built over ``model.parameters()`` steps the module's own fp32 params.
+* Fabric never hands a precision plugin its optimizers: each optimizer is connected to the engine
+  the first time the plugin sees it (``optimizer_step``, ``unscale_gradients``, i.e. the first
+  ``optimizer.step()`` or ``fabric.clip_gradients``). Until then backwards run at scale 1.
+* ``backward`` multiplies the loss by the scale (Fabric drops what ``pre_backward`` returns).
+* ``optimizer.step()`` runs :meth:`AmpEngine.step`: unscale, agree on inf/nan across ranks, step or
+  skip on the device. ``fabric.clip_gradients`` unscales first and clips the fp32 grads the optimizer
+  steps on; with dynamic loss scaling pass ``error_if_nonfinite=False`` (overflowing steps are skipped).
+* Checkpoints: the module's ``state_dict()`` holds its fp32 params, and the optimizer's
+  ``state_dict()`` carries its loss scaler (``param_groups[0]["lightning_amp"]``), so
+  ``fabric.save(path, {"model": model, "optimizer": optimizer})`` / ``fabric.load`` resume exactly.
+* LR schedulers: Fabric does not see them; call :func:`~lightning_amp.amp.gate.make_scheduler_skip_aware`
+  on a per-step scheduler so that it does not advance on skipped steps.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Generator, List, Optional
+
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
+from torch.utils._pytree import tree_leaves
+
+from lightning_amp.amp.module_cast import cast_floating
+from lightning_amp.amp.step import OptimizerStep
+from lightning_amp.precision import AmpPrecision as _TrainerAmpPrecision
+from lightning_amp.precision import _no_opt_level
+
+_STATE_KEY = "lightning_amp"  # where an optimizer's state_dict carries its scaler (in param_groups[0])
+_TRAINER_NAMES = {"AmpPrecision": "AmpPrecision", "AmpO0Precision": "AmpO0Plugin", "AmpO1Precision": "AmpO1Plugin",
+                  "AmpO2Precision": "AmpO2Plugin", "AmpO3Precision": "AmpO3Plugin"}
+
+
+class AmpPrecision(_TrainerAmpPrecision):
+    """Apex-style mixed precision (opt levels O0-O3) as a Lightning Fabric precision plugin.
+
+    Same arguments and properties (``loss_scale``, ``skipped_steps``, ``last_nonfinite_params``, ...) as
+    :class:`lightning_amp.AmpPrecision`; see the module docstring for how Fabric's hooks map onto it.
+    Given to a ``Trainer`` it raises TypeError naming the Trainer plugin to use.
+    """
+
+    def __init__(self, opt_level: str = "O1", **kwargs: Any) -> None:
+        super().__init__(opt_level=opt_level, **kwargs)
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def convert_module(self, module: Module) -> Module:
+        """Cast ``module`` in place, as the Trainer plugin does (see the module docstring)."""
+        if getattr(module, "_trainer", None) is not None:
+            name = _TRAINER_NAMES.get(type(self).__name__, "AmpPrecision")
+            raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
+                            f"lightning_amp.{name}(...): `Trainer(plugins=[{name}()])`.")
+        self._convert_module(module)
+        names: Dict[Tensor, List[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(param, []).append(name)
+        self._engine.connect([], names)
+        return module
+
+    def connect(self, *args: Any, **kwargs: Any) -> Any:
+        """A Trainer hook: this plugin is for Fabric."""
+        raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
+                        f"lightning_amp.{_TRAINER_NAMES.get(type(self).__name__, 'AmpPrecision')}(...).")
+
+    def _state(self, optimizer: Optimizer) -> OptimizerStep:
+        """The engine's state of ``optimizer``, connecting it the first time (see the module docstring)."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a _FabricOptimizer wraps the real one
+        for state in self._engine.states:
+            if state.optimizer is optimizer:
+                return state
+        saved = optimizer.param_groups[0].pop(_STATE_KEY, None) if optimizer.param_groups else None
+        state = self._engine.add_optimizer(optimizer)
+        if saved is not None:
+            self._restore(state, saved)
+        optimizer.register_state_dict_post_hook(self._scaler_into_optimizer_state)
+        optimizer.register_load_state_dict_post_hook(self._scaler_from_optimizer_state)
+        return state
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def convert_input(self, data: Any) -> Any:
+        """O2/O3: floating tensors become the half dtype; the autocast device follows the batch's."""
+        tensor = next((t for t in tree_leaves(data) if isinstance(t, Tensor)), None)
+        if tensor is not None and tensor.device.type != self._device_type:
+            self._device_type = tensor.device.type
+        return cast_floating(data, self._properties.dtype) if self._properties.cast_model else data
+
+    def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Any:  # type: ignore[override]
+        return None  # Fabric drops what this returns: the loss is scaled in backward()
+
+    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Backward of the loss times the current loss scale."""
+        self._scaled(tensor).backward(*args, **kwargs)
+
+    def post_backward(self, tensor: Tensor, module: Optional[Module]) -> Any:  # type: ignore[override]
+        return tensor  # the grads are on the module's own (fp32) params already
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``optimizer.step()``: unscale, agree on inf/nan across ranks, step or skip on the device."""
+        state = self._state(optimizer)
+        if isinstance(state.optimizer, LBFGS):  # allowed only without scaling: needs its closure
+            return state.optimizer.step(**kwargs)
+        closure = kwargs.pop("closure", None)
+        result = closure() if closure is not None else None
+        self._engine.step(state.optimizer, lambda: None, clipping=False, **kwargs)
+        return result
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Divide ``optimizer``'s grads by their loss scale now (``fabric.clip_gradients`` calls this first)."""
+        self._state(optimizer).unscale()
+
+    def main_params(self, optimizer: Optimizer) -> Generator[Tensor, None, None]:  # type: ignore[override]
+        """The params ``optimizer`` steps on (the module's own params at every level)."""
+        for group in self._state(optimizer).optimizer.param_groups:
+            yield from group["params"]
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def _scaler_into_optimizer_state(self, optimizer: Optimizer, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        state = self._state(optimizer)
+        if state_dict["param_groups"]:
+            state_dict["param_groups"][0] = {**state_dict["param_groups"][0],
+                                             _STATE_KEY: {"scaler": state.scaler.state_dict(), "skipped": state.skipped}}
+        return state_dict
+
+    def _scaler_from_optimizer_state(self, optimizer: Optimizer) -> None:
+        saved = optimizer.param_groups[0].pop(_STATE_KEY, None) if optimizer.param_groups else None
+        if saved is not None:
+            self._restore(self._state(optimizer), saved)
+
+    @staticmethod
+    def _restore(state: OptimizerStep, saved: Dict[str, Any]) -> None:
+        state.scaler.load_state_dict(saved["scaler"])
+        state.skipped = int(saved["skipped"])
+
+
+class AmpO0Precision(AmpPrecision):
+    """Apex O0 for Fabric: fp32 everything (non-finite grads are still skipped)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        _no_opt_level(kwargs, "AmpO0Precision")
+        super().__init__(opt_level="O0", **kwargs)
+
+
+class AmpO1Precision(AmpPrecision):
+    """Apex O1 for Fabric: fp32 model, forward under autocast plus the cast lists."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        _no_opt_level(kwargs, "AmpO1Precision")
+        super().__init__(opt_level="O1", **kwargs)
+
+
+class AmpO2Precision(AmpPrecision):
+    """Apex O2 for Fabric: fp32 params, forward on half copies (BatchNorm fp32), fp32 update."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        _no_opt_level(kwargs, "AmpO2Precision")
+        super().__init__(opt_level="O2", **kwargs)
+
+
+class AmpO3Precision(AmpPrecision):
+    """Apex O3 for Fabric: pure half."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        _no_opt_level(kwargs, "AmpO3Precision")
+        super().__init__(opt_level="O3", **kwargs)
+
