@@ -321,3 +321,23 @@ def test_unknown_part_is_a_usage_error(capsys):
     assert exit_info.value.code == 2
     assert "bnech" in capsys.readouterr().err
     assert gpu_check._parse_parts("wgrad,suite") == ["build", "suite", "wgrad"]
+
+
+def test_the_budget_cuts_part_timeouts_and_skips_parts_it_cannot_fit(tmp_path, monkeypatch, capsys):
+    clock, calls = [0.0], []
+
+    def fake_part(name, out, raw, timeout_s):
+        calls.append((name, timeout_s))
+        clock[0] += 50.0
+        return {"part": name, "rc": 0, "timed_out": False, "seconds": 50.0, "log_tail": ""}
+
+    monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "run_part", fake_part)
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
+    assert gpu_check.main(["--out", str(tmp_path), "--part", "optim,wgrad", "--budget", "100"]) == 0
+    assert calls == [("build", 100.0)]  # 50 s left after it: under a minute, so optim and wgrad are skipped
+    out = capsys.readouterr().out
+    assert "== part optim: skipped, 50 s of the budget left" in out and "part wgrad: skipped" in out
+    calls.clear()
+    assert gpu_check.main(["--out", str(tmp_path), "--part", "wgrad", "--timeout", "30"]) == 0
+    assert calls == [("build", 30.0), ("wgrad", 30.0)]  # no budget: each part gets --timeout

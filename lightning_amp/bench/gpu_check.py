@@ -49,6 +49,7 @@ from lightning_amp.bench.gpu_targets import FAIL, part_status
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("build", "suite", "sync", "optim", "wgrad", "bench", "bench-fused")
 PART_TIMEOUT_S = 480
+MIN_PART_S = 60
 BENCH_LEVELS = "32-true,bf16-mixed,bf16-true,O1,O2,O3"
 FUSED_LEVELS = "O1,O2,O3"
 _CHECK_EXT = ("import json, lightning_amp.ops as o; e = o.extension_error(); "
@@ -254,11 +255,14 @@ def _parse_parts(text: Optional[str]) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_amp.bench.gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default=os.environ.get("PART") or None,
+    parser.add_argument("--part", default=None,
                         help=f"comma-separated, from {','.join(PARTS)} (default: all; build always runs first)")
     parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT") or "gpu-check-out",
                         help="folder for part-*.json and the report (default: $GPU_CHECK_OUT or gpu-check-out)")
     parser.add_argument("--timeout", type=float, default=PART_TIMEOUT_S, help="seconds per part (default: 480)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for this whole invocation (e.g. a device call's limit less a margin): each "
+                             "part's timeout is cut to what is left, and a part with under a minute left is skipped")
     parser.add_argument("--report-only", action="store_true", help="only re-render the report from OUT/part-*.json")
     args = parser.parse_args(argv)
     try:
@@ -279,9 +283,14 @@ def main(argv=None) -> int:
     else:
         if not (ROOT / "tests").is_dir() or not (ROOT / "benchmarks").is_dir():
             parser.error(f"needs a source checkout (tests/, benchmarks/, examples/) at {ROOT}")
+        deadline = None if args.budget is None else time.monotonic() + args.budget
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as raw:
             for name in parts:
-                part = run_part(name, out, Path(raw), args.timeout)
+                left = args.timeout if deadline is None else min(args.timeout, deadline - time.monotonic())
+                if deadline is not None and left < MIN_PART_S:
+                    print(f"== part {name}: skipped, {max(0.0, left):.0f} s of the budget left", flush=True)
+                    continue
+                part = run_part(name, out, Path(raw), left)
                 print(f"== part {name}: {part_status(part)} in {part['seconds']:.0f} s", flush=True)
                 print("\n".join(part["log_tail"].splitlines()[-25:]), flush=True)
         verdicts = write_report(str(out))
