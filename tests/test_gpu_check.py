@@ -189,6 +189,11 @@ def test_a_part_that_ran_without_the_figure_fails():
     assert verdict.status == FAIL and "only 50 timed steps" in verdict.detail
 
 
+def test_the_bench_parts_run_the_levels_the_targets_compare():
+    assert {"32-true", "bf16-mixed", "bf16-true"} <= set(gpu_check.BENCH_LEVELS.split(","))
+    assert "O2" in gpu_check.FUSED_LEVELS.split(",")
+
+
 def test_the_bench_fields_read_are_in_bench_json():
     read = {"level", "optimizer", "step_time_ms", "peak_mem_mb", "final_loss", "steps", "learned"}
     assert read <= set(JSON_KEYS)
@@ -226,7 +231,7 @@ def test_bench_optim_json_rows_feed_the_optimizer_targets(tmp_path, monkeypatch)
     out = tmp_path / "optim.json"
     bench_optim = _load_script("bench_optim", monkeypatch)
     assert bench_optim.main(["--device", "cpu", "--lists", "few-large", "--modes", "fp32,bf16,master",
-                             "--ops", "adamw,scale,l2norm,copy", "--repeats", "1", "--json", str(out)]) == 0
+                             "--ops", gpu_check.OPTIM_OPS, "--repeats", "1", "--json", str(out)]) == 0
     verdicts = evaluate({"optim": _part("optim", {"rows": json.loads(out.read_text())})})
     judged = [v for v in verdicts if v.key.startswith(("fused_adam", "scale", "l2norm"))]
     assert len(judged) == 10

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -52,6 +53,7 @@ PART_TIMEOUT_S = 480
 MIN_PART_S = 60
 BENCH_LEVELS = "32-true,bf16-mixed,bf16-true,O1,O2,O3"
 FUSED_LEVELS = "O1,O2,O3"
+OPTIM_OPS = "adamw,scale,l2norm,copy"
 _CHECK_EXT = ("import json, lightning_amp.ops as o; e = o.extension_error(); "
               "print(json.dumps({'backend': o.backend('cuda'), 'extension_error': None if e is None else str(e)}))")
 
@@ -164,7 +166,7 @@ def _part_sync(run, raw):
 
 
 def _part_optim(run, raw):
-    run([sys.executable, "benchmarks/bench_optim.py", "--device", "cuda", "--ops", "adamw,scale,l2norm,copy",
+    run([sys.executable, "benchmarks/bench_optim.py", "--device", "cuda", "--ops", OPTIM_OPS,
          "--json", str(raw / "optim.json")])
     return {"rows": _json_rows(raw / "optim.json")}
 
@@ -192,15 +194,18 @@ _PARTIAL = {"optim": lambda raw: {"rows": _json_rows(raw / "optim.json")},
             "wgrad": lambda raw: {"rows": _json_rows(raw / "wgrad.json")}}
 
 
+@functools.lru_cache(maxsize=None)
 def environment() -> dict:
-    """The device, versions and commit a part ran with."""
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
-            "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit,
+    """The device, versions and commit the parts run with (the device name read in a child process, so
+    this process never holds a CUDA context while the parts measure)."""
+    def output(argv):
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    device = output([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name())"]).splitlines()
+    return {"device": device[-1] if device else "unknown", "torch": torch.__version__, "cuda": torch.version.cuda,
+            "commit": output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown",
             "python": platform.python_version(), "host": platform.node()}
 
 
