@@ -261,6 +261,8 @@ def test_bench_json_records_are_read_from_a_list_or_a_dict_with_metadata(tmp_pat
     assert gpu_check.bench_json_records(tmp_path / "list.json") == records
     assert gpu_check.bench_json_records(tmp_path / "dict.json") == records
     assert gpu_check.bench_json_records(tmp_path / "absent.json") == []
+    (tmp_path / "cut.json").write_text(json.dumps(records)[:40])  # its writer killed mid-file
+    assert gpu_check.bench_json_records(tmp_path / "cut.json") == []
 
 
 def test_a_part_past_its_timeout_is_killed_and_keeps_its_partial_rows(tmp_path, monkeypatch):

@@ -111,22 +111,25 @@ def parse_junit(path: Path) -> Optional[dict]:
     return counts
 
 
+def _load_json(path: Path):
+    """The JSON in ``path``, or None where it is absent or cut short (a tool killed while writing it)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def bench_json_records(path: Path) -> list:
     """The run records of a ``bench.json``: a list of records, or a dict holding one (with run metadata)."""
-    if not path.exists():
-        return []
-    with open(path) as f:
-        data = json.load(f)
+    data = _load_json(path)
     if isinstance(data, dict):
         data = next((v for k in ("records", "runs", "results") if isinstance(v := data.get(k), list)), [])
     return [r for r in data if isinstance(r, dict)] if isinstance(data, list) else []
 
 
 def _json_rows(path: Path) -> list:
-    if not path.exists():
-        return []
-    with open(path) as f:
-        rows = json.load(f)
+    rows = _load_json(path)
     return rows if isinstance(rows, list) else []
 
 
