@@ -11,7 +11,17 @@ STAMP  := $(VENV)/.lightning-amp-installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test bench bench-docs docs clean
+# gpu-check: the GPU claims, part by part (PART=suite,sync,... or all), report in GPU_CHECK_OUT;
+# GPU_CHECK_BUDGET=seconds caps the whole invocation (parts past it are skipped). It runs
+# with the python that holds torch: .venv's where there is one, else python3 (the offline GPU machines'),
+# and installs the package into it itself (pip --no-index -e .). Without a GPU: says so, checks its own
+# plumbing, exits 0. See "On a GPU machine" in the README.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_OUT ?= gpu-check-out
+GPU_CHECK_BUDGET ?=
+PART ?=
+
+.PHONY: install test bench bench-docs docs clean gpu-check
 
 install: $(STAMP)
 
@@ -37,6 +47,10 @@ bench: install
 bench-docs: install
 	$(VENV)/bin/lightning-amp bench --accelerator cpu --out bench-out
 	$(PY) benchmarks/publish_bench.py bench-out
+
+gpu-check:
+	@$(GPU_PY) -c "import torch" 2>/dev/null || { echo "gpu-check: $(GPU_PY) has no torch; run make install or set GPU_PY"; exit 2; }
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m lightning_amp.bench.gpu_check --out "$(GPU_CHECK_OUT)" $(if $(PART),--part "$(PART)") $(if $(GPU_CHECK_BUDGET),--budget $(GPU_CHECK_BUDGET))
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict

@@ -11,10 +11,14 @@ params, grads and state), ``master`` (bf16 params and grads, fp32 master weights
 torch equivalent is its optimizer on fp32 masters plus the foreach copies of the grads in and the
 params out, which is what a user without a fused master-weight kernel runs). Lists: ``few-large``
 (4 tensors of 4M elements on cuda, 1M on cpu) and ``many-small`` (10,000 tensors of 1-4k elements).
+The op ``copy`` (``torch._foreach_copy_`` of the list, no torch column) measures the device's copy
+bandwidth on the same tensors: the ceiling for the other rows' GB/s.
 
 "bytes" is what one pass over the list must read and write at the least (e.g. AdamW fp32: p, g,
 m, v read and p, m, v written, 28 bytes per element; LAMB needs two passes), the same figure for
 both implementations, so "GB/s" = bytes / time is an effective bandwidth, comparable across rows.
+``--json FILE`` writes the rows (the table's columns as keys), rewritten after each row, so a run cut
+short keeps the rows measured so far.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from lightning_amp.bench.worker import device_description
 
 MODES = ("fp32", "bf16", "master")
 LISTS = ("few-large", "many-small")
-OPS = ("adamw", "sgd", "lamb", "adadelta", "scale", "l2norm")
+OPS = ("adamw", "sgd", "lamb", "adadelta", "scale", "l2norm", "copy")
 
 
 @dataclass
@@ -101,6 +105,8 @@ def bytes_per_element(op: str, mode: str) -> int:
         return p + 4
     if op == "l2norm":
         return p
+    if op == "copy":                    # read and write the list once
+        return 2 * p
     raise ValueError(f"op must be one of {OPS}, got {op!r}")
 
 
@@ -157,6 +163,10 @@ def build_cases(kind: str, mode: str, device: str, ops_wanted) -> Iterator[Case]
         yield Case("l2norm", mode, lambda: ops.multi_tensor_l2norm(grads),
                           lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
                           "foreach norm", bytes_per_element("l2norm", mode) * numel)
+    if "copy" in ops_wanted and mode != "master":
+        copies = [torch.empty_like(g) for g in grads]
+        yield Case("copy", mode, lambda: torch._foreach_copy_(copies, grads), None, "-",
+                   bytes_per_element("copy", mode) * numel)
 
 
 def measure(fn: Callable[[], None], device: str, repeats: int, inner: int) -> float:
@@ -238,8 +248,8 @@ def main(argv=None) -> int:
                 print(f"| {kind} | {case.op} | {mode} | {case.bytes_moved / 1e6:.0f} MB | {row['ours_ms']:.2f} | "
                       f"{row['ours_gbs']:.1f} | {case.torch_impl} | {fmt(row['torch_ms'], '.2f')} | "
                       f"{fmt(row['torch_gbs'], '.1f')} | {fmt(row['ratio'], '.2f')} |", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+                if args.json:
+                    Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -4,17 +4,21 @@ For Megatron-like shapes (tokens x in -> out), times in one run:
   fused      ops.wgrad_gemm_accum_fp32(x, g, main_grad)        (bf16 operands, fp32 accumulate)
   unfused    main_grad.add_((g.t() @ x).float())               (bf16 GEMM, rounds dW to bf16, then adds)
   fp32 addmm main_grad.addmm_(g32.t(), x32)                    (fp32 operands, the fp32 baseline)
-and prints the fused/unfused and fused/fp32 time ratios (lower is better for the fused op).
+  gemm       torch.mm(g.t(), x, out=dw)                        (a plain bf16 GEMM of the shape, bf16 out)
+and prints the fused/unfused, fused/fp32 and fused/gemm time ratios (lower is better for the fused op;
+fused/gemm is what accumulating into fp32 costs over the bare GEMM).
 On CPU the fused op picks its 16-bit GEMM path itself (MKL's bf16 GEMM where the CPU has
 AMX, else fp32 upcast of token blocks + sgemm); the other path is timed too ("alt").
 
-Run: .venv/bin/python benchmarks/bench_wgrad.py [--repeat N] [--device cpu|cuda]
-Timings are medians of N round-robin repeats after a warm-up round; ratios are only
-comparable within one run.
+Run: .venv/bin/python benchmarks/bench_wgrad.py [--repeat N] [--inner K] [--device cpu|cuda] [--json FILE]
+Timings are medians of N round-robin repeats after a warm-up round, each repeat K back-to-back
+calls (cuda: timed with events, one sync per repeat; cpu: wall clock); ratios are only comparable
+within one run. ``--json FILE`` also writes one row per shape (milliseconds and ratios).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -29,18 +33,24 @@ SHAPES = [  # (tokens, in features, out features)
 ]
 
 
-def _interleaved_medians(fns: dict, repeat: int, device: str) -> dict:
-    """Median seconds of each callable, timed round-robin (A B C A B C ...) after one warm-up
-    round, so load from other processes on a shared machine hits every variant alike."""
+def _interleaved_medians(fns: dict, repeat: int, device: str, inner: int = 1) -> dict:
+    """Median seconds per call of each callable, timed round-robin (A B C A B C ...) after one warm-up
+    round, so load from other processes on a shared machine hits every variant alike; each sample
+    is ``inner`` back-to-back calls (cuda: between two events, so launch gaps and syncs stay out)."""
 
     def timed(fn):
         if device == "cuda":
-            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0 / inner
         start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - start) / inner
 
     for fn in fns.values():
         fn()
@@ -66,7 +76,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--inner", type=int, default=None, help="calls per timed sample (default: cpu 1, cuda 20)")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
+    inner = args.inner or (20 if args.device == "cuda" else 1)
     dev = args.device
     ext = ops._ext_for(dev)
     cpu_hooks = dev == "cpu" and ext is not None
@@ -77,29 +90,41 @@ def main() -> None:
     print(f"backend={ops.backend(dev)} bf16 gemm path={chosen} (alt={alt}) torch={torch.__version__} "
           f"threads={torch.get_num_threads()} device={dev}")
     header = (f"{'tokens x in -> out':>22} | {'fused ms':>9} | {'alt ms':>8} | {'unfused ms':>10} | {'fp32 ms':>8} | "
-              f"{'fused/unfused':>13} | {'fused/fp32':>10} | {'fused GFLOP/s':>13}")
+              f"{'fused/unfused':>13} | {'fused/fp32':>10} | {'gemm ms':>8} | {'fused/gemm':>10} | {'fused GFLOP/s':>13}")
     print(header)
     print("-" * len(header))
     gen = torch.Generator().manual_seed(0)
+    rows = []
     for tokens, n_in, n_out in SHAPES:
         x = torch.randn(tokens, n_in, generator=gen).bfloat16().to(dev)
         g = torch.randn(tokens, n_out, generator=gen).bfloat16().to(dev)
         x32, g32 = x.float(), g.float()
         main_grad = torch.zeros(n_out, n_in, device=dev)
+        dw = torch.empty(n_out, n_in, device=dev, dtype=torch.bfloat16)
         variants = {
             "fused": lambda: ops.wgrad_gemm_accum_fp32(x, g, main_grad),
             "unfused": lambda: main_grad.add_((g.t() @ x).float()),
             "fp32": lambda: main_grad.addmm_(g32.t(), x32),
+            "gemm": lambda: torch.mm(g.t(), x, out=dw),
         }
         if alt is not None:
             variants["alt"] = _with_policy(ext, alt, variants["fused"])
-        t = _interleaved_medians(variants, args.repeat, dev)
+        t = _interleaved_medians(variants, args.repeat, dev, inner)
         fused, unfused, fp32, alt_s = t["fused"], t["unfused"], t["fp32"], t.get("alt", float("nan"))
+        gemm = t["gemm"]
         gflops = 2.0 * tokens * n_in * n_out / fused / 1e9
         print(
             f"{f'{tokens} x {n_in} -> {n_out}':>22} | {fused * 1e3:9.2f} | {alt_s * 1e3:8.2f} | {unfused * 1e3:10.2f} | {fp32 * 1e3:8.2f} | "
-            f"{fused / unfused:13.2f} | {fused / fp32:10.2f} | {gflops:13.1f}"
+            f"{fused / unfused:13.2f} | {fused / fp32:10.2f} | {gemm * 1e3:8.2f} | {fused / gemm:10.2f} | {gflops:13.1f}",
+            flush=True,
         )
+        rows.append(dict(tokens=tokens, n_in=n_in, n_out=n_out, fused_ms=fused * 1e3, unfused_ms=unfused * 1e3,
+                         fp32_ms=fp32 * 1e3, gemm_ms=gemm * 1e3, alt_ms=None if alt is None else alt_s * 1e3,
+                         fused_over_gemm=fused / gemm, fused_over_unfused=fused / unfused, fused_gflops=gflops,
+                         device=dev, backend=ops.backend(dev), gemm_path=chosen))
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(rows, out, indent=1)
 
 
 if __name__ == "__main__":

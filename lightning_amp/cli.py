@@ -2,7 +2,7 @@
 
     lightning-amp bench [--models feedforward,unet,bert] [--levels fp32,bf16-mixed,bf16-true,O1,O2,O3]
                         [--dtype auto] [--accelerator auto|cpu|cuda] [--steps N] [--size tiny|small|base]
-                        [--batch-size N] [--out DIR] [--quick]
+                        [--batch-size N] [--optimizer example|fused-adam] [--out DIR] [--quick]
     lightning-amp info
     lightning-amp --version
 
@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from lightning_amp.bench.meta import commit, cpu_bf16_flags
 from lightning_amp.bench.models import MODELS, SIZES
+from lightning_amp.bench.optimizers import OPTIMIZERS
 from lightning_amp.bench.runner import DEFAULT_WARMUP
 from lightning_amp.bench.worker import ACCELERATORS, DTYPES, LEVELS
 
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_int_at_least(1), default=None,
                        help="torch CPU threads per run (default: 1 on cpu, robust on a shared machine; "
                             "torch's default on cuda)")
+    bench.add_argument("--optimizer", choices=OPTIMIZERS, default="example",
+                       help="example = each example's own (torch AdamW/Adam); fused-adam = lightning-amp's FusedAdam "
+                            "in its place, same param groups and hyperparameters (default: example)")
     bench.add_argument("--out", default="bench-out", help="output folder for bench.json/png/md (default: bench-out)")
     bench.add_argument("--quick", action="store_true", help="a smoke run: tiny models, 1 warm-up + 3 timed steps")
 
@@ -120,7 +124,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         specs = plan_runs(args.models, args.levels or default_levels(args.dtype), dtype=args.dtype, size=size,
                           steps=steps, warmup=warmup, seed=args.seed, accelerator=args.accelerator,
-                          threads=args.threads, batch_size=args.batch_size)
+                          threads=args.threads, batch_size=args.batch_size, optimizer=args.optimizer)
     except ValueError as error:  # e.g. --accelerator cuda without a GPU
         parser.error(str(error))
     console = Console()

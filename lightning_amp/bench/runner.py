@@ -32,11 +32,12 @@ DEFAULT_THREADS = {"cpu": 1, "cuda": None}
 
 def plan_runs(models: Sequence[str], levels: Sequence[str], dtype: str = "auto", size: Optional[str] = None,
               steps: Optional[int] = None, warmup: Optional[int] = None, seed: int = 0, accelerator: str = "auto",
-              threads: Optional[int] = None, batch_size: Optional[int] = None) -> list[RunSpec]:
+              threads: Optional[int] = None, batch_size: Optional[int] = None,
+              optimizer: str = "example") -> list[RunSpec]:
     """The specs in run order (model-major). ``size``, ``steps``, ``batch_size`` and ``warmup`` left as None
     take each model's defaults for the device ``accelerator`` resolves to (:meth:`BenchModel.defaults`);
     a ``size`` given without a ``batch_size`` uses the example's own batch for that size; ``threads=None``
-    takes :data:`DEFAULT_THREADS`."""
+    takes :data:`DEFAULT_THREADS`; ``optimizer`` is one of :data:`~lightning_amp.bench.optimizers.OPTIMIZERS`."""
     device_type = resolve_device(accelerator)
     specs = []
     for m in models:
@@ -45,7 +46,7 @@ def plan_runs(models: Sequence[str], levels: Sequence[str], dtype: str = "auto",
                           steps=steps or defaults["steps"],
                           warmup=DEFAULT_WARMUP[device_type] if warmup is None else warmup, seed=seed,
                           accelerator=accelerator, threads=threads or DEFAULT_THREADS[device_type],
-                          batch_size=batch_size or (None if size else defaults["batch_size"]))
+                          batch_size=batch_size or (None if size else defaults["batch_size"]), optimizer=optimizer)
                   for lv in levels]
     return specs
 

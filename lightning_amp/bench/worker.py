@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 
 from lightning_amp.bench.memory import PeakMemory
 from lightning_amp.bench.models import MODELS, SIZES, chance_loss, load_example
+from lightning_amp.bench.optimizers import OPTIMIZERS, use_optimizer
 from lightning_amp.bench.timing import StepWindow, clock_for
 
 AMP_LEVELS = ("fp32", "O0", "O1", "O2", "O3")
@@ -63,6 +64,7 @@ class RunSpec:
     accelerator: str = "auto"
     threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
     batch_size: Optional[int] = None
+    optimizer: str = "example"  # one of OPTIMIZERS: the example's own, or FusedAdam in its place
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -79,6 +81,8 @@ class RunSpec:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {self.batch_size}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={self.steps}, warmup={self.warmup}")
 
@@ -184,6 +188,7 @@ def run(spec: RunSpec) -> dict:
     memory = PeakMemory(device_type)
     memory.start()
     example = example_module.build_example(size=spec.size, seed=spec.seed, batch_size=spec.batch_size)
+    use_optimizer(example.module, spec.optimizer)
     batches = draw_batches(example.train_dataloader, total, torch.device(device_type))
     batches_mib = _nbytes(batches) / 2**20  # held for the whole run; not part of the level's footprint
     window = StepWindow(clock_for(device_type), first=spec.warmup, steps=spec.steps)
@@ -274,6 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accelerator", choices=ACCELERATORS, default="auto")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="example")
     args = parser.parse_args(argv)
     record = run(RunSpec(**vars(args)))
     print(json.dumps(record))

@@ -1,0 +1,286 @@
+"""The GPU targets of issue 19 as verdicts over the outputs of ``make gpu-check``'s parts.
+
+Each part writes ``part-<name>.json`` (see :mod:`lightning_amp.bench.gpu_check`): its exit status, time,
+log tail and ``data`` (junit counts, ``bench_optim``/``bench_wgrad`` rows, ``lightning-amp bench``
+records). :func:`evaluate` turns the parts present into one :class:`Verdict` per target: ``PASS`` or
+``FAIL`` with the measured figure, or ``NOT RUN`` when the part that measures it is absent. A part that
+ran but lacks the figure (it crashed, timed out, or a run failed) gives ``FAIL``. Ratios are taken
+within one part's run (or two bench parts of the same device), never across devices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
+#: the bench_optim list the bandwidth-bound targets are judged on (4 tensors of 4M elements on cuda)
+OPTIM_LIST = "few-large"
+O2_FUSED = ("O2", True)
+
+
+class NotRun(Exception):
+    """The part that measures this target did not run."""
+
+
+class Missing(Exception):
+    """The part ran, but the figure is not in its output."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: ``measure(parts) -> (value, detail)``; it passes when ``value <op> threshold``."""
+
+    key: str
+    what: str
+    op: str  # "<=" or ">="
+    threshold: float
+    unit: str  # "x" (ratio), "%" (fraction shown as percent) or "ok" (1.0 yes / 0.0 no)
+    measure: Callable[[dict], tuple]
+
+    def limit(self) -> str:
+        return "yes" if self.unit == "ok" else f"{self.op} {_show(self.threshold, self.unit)}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    key: str
+    what: str
+    status: str
+    value: Optional[float]
+    measured: str
+    limit: str
+    detail: str
+
+
+def _show(value: Optional[float], unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}%" if unit == "%" else f"{value:.3f}{unit}"
+
+
+def _part(parts: dict, name: str) -> dict:
+    if name not in parts:
+        raise NotRun(f"part {name} not run")
+    return parts[name]
+
+
+def part_status(part: dict) -> str:
+    """"ok", "timed out after N s", "crashed (signal N)" or "failed (exit N)"."""
+    if part.get("timed_out"):
+        return f"timed out after {part.get('timeout_s', '?')} s"
+    rc = part.get("rc")
+    if rc == 0:
+        return "ok"
+    if isinstance(rc, int) and rc < 0:
+        return f"crashed (signal {-rc})"
+    return f"failed (exit {rc})"
+
+
+def _broken(part: dict, what: str) -> Missing:
+    return Missing(f"{what} missing; part {part.get('part', '?')} {part_status(part)}")
+
+
+# -- the figures ------------------------------------------------------------------------------------
+
+
+def _build(parts):
+    part = _part(parts, "build")
+    backend = (part.get("data") or {}).get("backend")
+    if backend is None:
+        raise _broken(part, "backend")
+    error = (part.get("data") or {}).get("extension_error")
+    return (1.0 if backend == "cuda-ext" else 0.0), f"backend {backend}" + (f"; {error}" if error else "")
+
+
+def _junit(parts, name):
+    part = _part(parts, name)
+    junit = (part.get("data") or {}).get("junit")
+    if not junit:
+        raise _broken(part, "junit report")
+    failed = junit.get("failures", 0) + junit.get("errors", 0)
+    passed = junit.get("tests", 0) - failed - junit.get("skipped", 0)
+    detail = (f"{passed} passed, {junit.get('skipped', 0)} skipped, {failed} failed/errors in "
+              f"{junit.get('time', 0):.0f} s; exit {part.get('rc')}")
+    if junit.get("failed_names"):
+        detail += "; failed: " + ", ".join(junit["failed_names"][:8])
+    return junit, passed, failed, detail
+
+
+def _suite(parts):
+    junit, passed, failed, detail = _junit(parts, "suite")
+    clean = failed == 0 and passed > 0 and parts["suite"].get("rc") == 0
+    return (1.0 if clean else 0.0), detail
+
+
+def _sync(parts):
+    junit, passed, failed, detail = _junit(parts, "sync")
+    clean = failed == 0 and passed > 0 and junit.get("skipped", 0) == 0 and parts["sync"].get("rc") == 0
+    return (1.0 if clean else 0.0), detail
+
+
+def bench_records(parts: dict) -> list:
+    """The records of the bench parts (``bench`` first, then ``bench-fused``), each with ``part`` added."""
+    records = []
+    for name in ("bench", "bench-fused"):
+        for record in ((parts.get(name) or {}).get("data") or {}).get("records") or []:
+            records.append(dict(record, part=name))
+    return records
+
+
+def _is_fused(record: dict) -> bool:
+    return str(record.get("optimizer") or "").startswith("FusedAdam")
+
+
+def _run(parts, levels, fused: bool) -> dict:
+    part_name = "bench-fused" if fused else "bench"
+    part = _part(parts, part_name)
+    for record in bench_records(parts):
+        if record["part"] == part_name and record.get("level") in levels and _is_fused(record) == fused:
+            if record.get("error"):
+                raise Missing(f"{record.get('level')} run failed: {record['error']}")
+            return record
+    raise _broken(part, f"{'/'.join(levels)} run" + (" with FusedAdam" if fused else ""))
+
+
+def _o2_against(parts, levels):
+    o2 = _run(parts, ("O2",), fused=True)
+    base = _run(parts, levels, fused=False)
+    if o2.get("device_name") != base.get("device_name"):
+        raise Missing(f"O2+FusedAdam ran on {o2.get('device_name')}, {base['level']} on {base.get('device_name')}")
+    return o2, base
+
+
+def _o2_step_vs(levels, speedup: bool):
+    def measure(parts):
+        o2, base = _o2_against(parts, levels)
+        ratio = base["step_time_ms"] / o2["step_time_ms"] if speedup else o2["step_time_ms"] / base["step_time_ms"]
+        return ratio, f"O2+FusedAdam {o2['step_time_ms']:.1f} ms, {base['level']} {base['step_time_ms']:.1f} ms per step"
+    return measure
+
+
+def _o2_memory(parts):
+    o2, base = _o2_against(parts, ("32-true", "fp32"))
+    return (o2["peak_mem_mb"] / base["peak_mem_mb"],
+            f"O2+FusedAdam {o2['peak_mem_mb']:.0f} MiB, {base['level']} {base['peak_mem_mb']:.0f} MiB peak")
+
+
+def _o2_loss(parts):
+    o2, base = _o2_against(parts, ("32-true", "fp32"))
+    if o2.get("final_loss") is None or base.get("final_loss") is None:
+        raise Missing("a final loss is missing (diverged?)")
+    steps = min(o2.get("steps") or 0, base.get("steps") or 0)
+    if steps < 300:
+        raise Missing(f"only {steps} timed steps (the target is after 300)")
+    difference = abs(o2["final_loss"] - base["final_loss"]) / abs(base["final_loss"])
+    detail = f"O2+FusedAdam {o2['final_loss']:.4f}, {base['level']} {base['final_loss']:.4f} after {steps} steps"
+    if base.get("learned") is False:
+        detail += f" ({base['level']} did not learn)"
+    return difference, detail
+
+
+def _optim_rows(parts):
+    part = _part(parts, "optim")
+    rows = (part.get("data") or {}).get("rows") or []
+    return part, rows
+
+
+def _optim_row(parts, op, mode):
+    part, rows = _optim_rows(parts)
+    for row in rows:
+        if row.get("list") == OPTIM_LIST and row.get("op") == op and row.get("mode") == mode:
+            return row
+    raise _broken(part, f"{OPTIM_LIST} {op} {mode} row")
+
+
+def copy_bandwidth(parts) -> float:
+    """Device copy bandwidth (GB/s, bytes read + written): the best ``copy`` row of the few-large list."""
+    part, rows = _optim_rows(parts)
+    copies = [row["ours_gbs"] for row in rows if row.get("list") == OPTIM_LIST and row.get("op") == "copy"]
+    if not copies:
+        raise _broken(part, f"{OPTIM_LIST} copy row")
+    return max(copies)
+
+
+def _vs_torch(op, mode):
+    def measure(parts):
+        row = _optim_row(parts, op, mode)
+        if not row.get("torch_ms"):
+            raise Missing(f"{op} {mode}: no torch figure")
+        return (row["ours_ms"] / row["torch_ms"],
+                f"ours {row['ours_ms']:.3f} ms, torch ({row.get('torch_impl')}) {row['torch_ms']:.3f} ms")
+    return measure
+
+
+def _of_bandwidth(op, mode):
+    def measure(parts):
+        row, copy = _optim_row(parts, op, mode), copy_bandwidth(parts)
+        return row["ours_gbs"] / copy, f"{row['ours_gbs']:.0f} GB/s of {copy:.0f} GB/s copy bandwidth"
+    return measure
+
+
+def _wgrad(shape):
+    def measure(parts):
+        part = _part(parts, "wgrad")
+        for row in (part.get("data") or {}).get("rows") or []:
+            if (row.get("tokens"), row.get("n_in"), row.get("n_out")) == shape:
+                return row["fused_ms"] / row["gemm_ms"], f"fused {row['fused_ms']:.3f} ms, bf16 GEMM {row['gemm_ms']:.3f} ms"
+        raise _broken(part, "row of shape {} x {} -> {}".format(*shape))
+    return measure
+
+
+WGRAD_SHAPES = ((4096, 1024, 4096), (4096, 4096, 1024), (2048, 1024, 3072))  # bench_wgrad.SHAPES
+
+
+def _targets() -> list:
+    t = [
+        Target("build", "CUDA extension built and loaded (backend cuda-ext)", ">=", 1.0, "ok", _build),
+        Target("suite", "whole suite, LIGHTNING_AMP_REQUIRE_EXT=1: 0 failed, no crash", ">=", 1.0, "ok", _suite),
+        Target("no_host_sync", "no host sync in O1/O2/O3 steps (set_sync_debug_mode('error'))", ">=", 1.0, "ok", _sync),
+        Target("o2_vs_bf16_true", "O2+FusedAdam step time / bf16-true", "<=", 1.03, "x",
+               _o2_step_vs(("bf16-true",), speedup=False)),
+        Target("o2_speedup_vs_tf32", "O2+FusedAdam speed-up over TF32 (32-true)", ">=", 2.15, "x",
+               _o2_step_vs(("32-true", "fp32"), speedup=True)),
+        Target("o2_speedup_vs_bf16_mixed", "O2+FusedAdam speed-up over bf16-mixed", ">=", 1.4, "x",
+               _o2_step_vs(("bf16-mixed",), speedup=True)),
+        Target("o2_memory_vs_tf32", "O2+FusedAdam peak memory / TF32", "<=", 0.6, "x", _o2_memory),
+        Target("o2_loss_vs_tf32", "O2+FusedAdam final loss vs TF32 after 300 steps", "<=", 0.02, "%", _o2_loss),
+    ]
+    for mode, torch_name in (("fp32", "torch fused AdamW"), ("master", "torch fused AdamW on fp32 masters + copies"),
+                             ("bf16", "torch fused AdamW")):
+        t.append(Target(f"fused_adam_{mode}_vs_torch", f"FusedAdam {mode} step / {torch_name}", "<=", 1.0, "x",
+                        _vs_torch("adamw", mode)))
+        t.append(Target(f"fused_adam_{mode}_bandwidth", f"FusedAdam {mode} share of copy bandwidth", ">=", 0.85, "%",
+                        _of_bandwidth("adamw", mode)))
+    for mode in ("fp32", "bf16"):
+        t.append(Target(f"scale_{mode}_bandwidth", f"multi_tensor_scale {mode} share of copy bandwidth", ">=", 0.85,
+                        "%", _of_bandwidth("scale", mode)))
+        t.append(Target(f"l2norm_{mode}_vs_foreach_norm", f"multi_tensor_l2norm {mode} / torch._foreach_norm", "<=",
+                        1.0, "x", _vs_torch("l2norm", mode)))
+    for shape in WGRAD_SHAPES:
+        t.append(Target("wgrad_{}x{}x{}".format(*shape),
+                        "wgrad into fp32 main_grad / plain bf16 GEMM, {} x {} -> {}".format(*shape), "<=", 1.03, "x",
+                        _wgrad(shape)))
+    return t
+
+
+TARGETS = _targets()
+
+
+def judge(target: Target, parts: dict) -> Verdict:
+    """The verdict of one target over ``parts`` (part name -> part JSON)."""
+    try:
+        value, detail = target.measure(parts)
+    except NotRun as reason:
+        return Verdict(target.key, target.what, NOT_RUN, None, "-", target.limit(), str(reason))
+    except (Missing, KeyError, TypeError, ZeroDivisionError) as reason:
+        return Verdict(target.key, target.what, FAIL, None, "-", target.limit(), f"{type(reason).__name__}: {reason}"
+                       if not isinstance(reason, Missing) else str(reason))
+    ok = math.isfinite(value) and (value <= target.threshold if target.op == "<=" else value >= target.threshold)
+    measured = ("yes" if value >= 1.0 else "no") if target.unit == "ok" else _show(value, target.unit)
+    return Verdict(target.key, target.what, PASS if ok else FAIL, value, measured, target.limit(), detail)
+
+
+def evaluate(parts: dict) -> list:
+    """One :class:`Verdict` per target in :data:`TARGETS`, in order."""
+    return [judge(target, parts) for target in TARGETS]
