@@ -68,7 +68,7 @@ def test_example_trains_a_few_steps_at_every_level(name, level):
     moved = [k for k, v in module.named_parameters() if not torch.equal(v.detach().float(), initial[k])]
     assert len(moved) > len(initial) // 2, f"only {len(moved)} of {len(initial)} parameters were updated"
     linear_dtypes = {m.weight.dtype for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
-    expected = torch.bfloat16 if level in ("O2", "O3") else torch.float32
+    expected = torch.bfloat16 if level == "O3" else torch.float32  # O2: fp32 params, forward on half copies
     assert linear_dtypes == {expected}
     if level == "O2":  # apex O2 keeps BatchNorm in fp32
         assert {m.weight.dtype for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)} <= {torch.float32}
