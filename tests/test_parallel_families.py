@@ -65,9 +65,9 @@ class Zoo(pl.LightningModule):
         torch.manual_seed(0)
         self.out_dir, self.lr = out_dir, lr
         self.families = nn.ModuleDict(hf_models(names))
-        self.families["demo"] = Transformer(vocab_size=VOCAB, ninp=HIDDEN, nhead=HEADS, nhid=FFN, nlayers=LAYERS, dropout=0.0)
-        for name in set(FAMILIES) - set(names):
-            del self.families[name]
+        if "demo" in names:
+            self.families["demo"] = Transformer(vocab_size=VOCAB, ninp=HIDDEN, nhead=HEADS, nhid=FFN, nlayers=LAYERS,
+                                                dropout=0.0)
         self.losses = {name: [] for name in self.families}
         self.converted = {}
 

@@ -21,7 +21,9 @@ ranks, see :func:`agree`):
    the skip on the device.
 3. The scaler updates on the device (:meth:`LossScaler.update`), and the flag goes to the host
    asynchronously through a :class:`~lightning_amp.amp.gate.StepGate`, which tells the LR
-   schedulers, counts skipped steps, names the offending params and drops their grads (``on_skip``).
+   schedulers, counts skipped steps, names the offending params and drops their grads (``on_skip``),
+   all from that step's own record (:class:`SkipReport`: per-param flags, scale and overflow count
+   copied with the flag), however many steps later it lands (:class:`_LateSkip`).
 
 Host work per step is O(1) calls over cached lists plus a few list comprehensions over the params
 (gathering their current ``.grad``); the lists are rebuilt only when the param groups change.
