@@ -192,6 +192,7 @@ class AmpPrecision(Precision):
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
             self._use_device_type(trainer.strategy.root_device.type)
+            _refuse_masters_under_fsdp2(self._properties, trainer.strategy)
         props = self._properties
         if props.opt_level == "O0":
             cast_module_(module, torch.float32)
@@ -380,6 +381,18 @@ class AmpO3Plugin(AmpPrecision):
     def __init__(self, **kwargs: Any) -> None:
         _no_opt_level(kwargs, "AmpO3Plugin")
         super().__init__(opt_level="O3", **kwargs)
+
+
+def _refuse_masters_under_fsdp2(props: AmpProperties, strategy: Any) -> None:
+    """Our fp32 masters are whole tensors beside the model; FSDP2 shards the model's own params."""
+    from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: PLC0415
+
+    if props.master_weights and props.cast_model and isinstance(strategy, ModelParallelStrategy):
+        raise ValueError(
+            f"lightning_amp: {props.opt_level} (fp32 master weights of a half model) under ModelParallelStrategy "
+            "(FSDP2): O2 under FSDP2 is not supported yet; use O1 (AmpO1Plugin) or Lightning's "
+            "precision='bf16-mixed'."
+        )
 
 
 def _no_opt_level(kwargs: Dict[str, Any], cls_name: str) -> None:

@@ -38,6 +38,7 @@ from lightning_amp.amp.gate import StepGate
 from lightning_amp.amp.kernel_step import KernelStep, supports
 from lightning_amp.amp.master import MasterParams, nonfinite_flags, optimizer_grads, optimizer_params
 from lightning_amp.amp.scaler import LossScaler
+from lightning_amp.ops import local_shards
 from lightning_amp.optimizers.base import FusedOptimizer
 
 Factor = Union[float, Tensor]
@@ -126,7 +127,7 @@ class OptimizerStep:
         return [g for g in (p.grad for p in optimizer_params(self.optimizer)) if g is not None]
 
     def _check(self, inv: Factor) -> Tensor:
-        grads = self._grads()
+        grads, = local_shards(self._grads())  # DTensor grads (FSDP2): this rank's shards
         if self.flat is not None and self.flat.views_intact() and len(grads) == len(self.flat.params):
             grads = list(self.flat.buffers.values())  # one tensor per buffer
         device = grads[0].device if grads else next(iter(self._devices), torch.device("cpu"))
@@ -216,7 +217,7 @@ class OptimizerStep:
     def nonfinite_params(self) -> List[Tensor]:
         """The model params whose current grads hold inf/nan (reads the flags: only after a skip)."""
         params = [p for p in optimizer_params(self.optimizer) if p.grad is not None]
-        _, flags = nonfinite_flags([p.grad for p in params])
+        _, flags = nonfinite_flags(local_shards([p.grad for p in params])[0])
         if flags is None:
             return []
         halves = {id(m): h for h, m in self.masters.pairs} if self.masters is not None else {}
