@@ -47,10 +47,10 @@ class Block(nn.Module):
 class TinyLM(L.LightningModule):
     """Embedding, ``layers`` MLP blocks, vocabulary head; next-token loss on random tokens."""
 
-    def __init__(self, layers: int = 2, lr: float = 3e-3) -> None:
+    def __init__(self, layers: int = 2, lr: float = 3e-3, global_batch: int = 16) -> None:
         super().__init__()
         torch.manual_seed(0)  # the same initial weights in every layout
-        self.lr = lr
+        self.lr, self.global_batch = lr, global_batch
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.Sequential(*[Block() for _ in range(layers)])
         self.head = nn.Linear(WIDTH, VOCAB)
@@ -87,6 +87,17 @@ class TinyLM(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.step_times.append(time.perf_counter() - self._tic)
         self.last_loss = outputs["loss"].detach()
+
+    def train_dataloader(self) -> DataLoader:
+        """This data-parallel rank's interleaved share of every global batch (no shuffling, so every
+        layout sees the same global batches as the single process)."""
+        shard = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        replicas, rank = shard["num_replicas"], shard["rank"]
+        if self.global_batch % replicas:
+            raise ValueError(f"--global-batch {self.global_batch} must divide over {replicas} data-parallel ranks")
+        tokens, targets = dataset(self.trainer.max_steps * self.global_batch).tensors
+        return DataLoader(TensorDataset(tokens[rank::replicas], targets[rank::replicas]),
+                          batch_size=self.global_batch // replicas, drop_last=True)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
@@ -138,12 +149,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)
 
-    world = args.devices * args.num_nodes
-    dp = world if args.layout in ("ddp", "fsdp") else world // args.tp if args.layout in ("tp", "fsdp_tp") else 1
-    if args.layout != "single" and world < 2:
+    if args.layout != "single" and args.devices * args.num_nodes < 2:
         parser.error(f"--layout {args.layout} needs --devices x --num-nodes >= 2")
-    if args.global_batch % dp:
-        parser.error(f"--global-batch {args.global_batch} must divide over {dp} data-parallel ranks")
     if args.accelerator == "cpu":
         torch.set_num_threads(1)  # several ranks share the cores
     plugins, precision = [], None
@@ -155,11 +162,10 @@ def main(argv=None) -> dict:
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=strategy_for(args.layout, args.devices, args.num_nodes, args.tp, args.accelerator),
         precision=precision, plugins=plugins, max_steps=args.steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )
-    model = TinyLM(args.layers)
-    data = DataLoader(dataset(args.steps * args.global_batch), batch_size=args.global_batch // dp, drop_last=True)
-    trainer.fit(model, data)
+    model = TinyLM(args.layers, global_batch=args.global_batch)
+    trainer.fit(model)
     optimizer = trainer.optimizers[0]
     state = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     params = list(model.parameters())
