@@ -36,6 +36,7 @@ from torch.optim import LBFGS, Optimizer
 import lightning.pytorch as pl
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -385,8 +386,6 @@ class AmpO3Plugin(AmpPrecision):
 
 def _refuse_masters_under_fsdp2(props: AmpProperties, strategy: Any) -> None:
     """Our fp32 masters are whole tensors beside the model; FSDP2 shards the model's own params."""
-    from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: PLC0415
-
     if props.master_weights and props.cast_model and isinstance(strategy, ModelParallelStrategy):
         raise ValueError(
             f"lightning_amp: {props.opt_level} (fp32 master weights of a half model) under ModelParallelStrategy "
