@@ -22,6 +22,9 @@ Conventions shared by all ops:
   the host: they update, then put back what they touched where it is set (``torch.where``, at
   the cost of one copy of the touched tensors).
 * ``grad_scale`` is the loss scale the gradients were multiplied by (the op divides by it).
+* The optimizer ops take DTensors (FSDP2 / DTensor tensor-parallel shards) and update their local
+  shards in place (:func:`local_shards`); norms over whole tensors are the caller's (see
+  ``multi_tensor_lamb``'s ``reduce_norms``).
 
 The pure-PyTorch implementations are also reachable as private functions
 (``_wgrad_fallback``, ``_scale_fallback``, ``_l2norm_fallback``) so tests can compare both.
@@ -33,10 +36,15 @@ import glob
 import importlib
 import os
 import warnings
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = None
 
 _EXT = None
 _EXT_ERROR: Optional[str] = None
@@ -320,6 +328,16 @@ def _l2norm_fallback(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
 _OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def local_shards(*lists: Optional[Sequence[Tensor]]) -> tuple:
+    """``lists`` with every DTensor replaced by its local shard (``to_local()``, same storage), so an
+    elementwise kernel updates this rank's part of each tensor in place; ``None`` stays ``None``.
+    Returned as given when the first list (the params) holds no DTensor."""
+    if _DTensor is None or not any(isinstance(p, _DTensor) for p in lists[0]):
+        return lists
+    return tuple(None if lst is None else [t.to_local() if isinstance(t, _DTensor) else t for t in lst]
+                 for lst in lists)
+
+
 def _check_scalar_tensor(op: str, name: str, t: Optional[Tensor], device: torch.device) -> None:
     if t is None:
         return
@@ -513,6 +531,8 @@ def multi_tensor_adam(
     ``checked=True``: the caller validated the lists (cached), the per-tensor Python checks are
     skipped (the compiled entry point still checks every argument).
     """
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies = local_shards(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies)
     state = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if max_exp_avg_sqs is not None:
         state["max_exp_avg_sqs"] = max_exp_avg_sqs
@@ -588,6 +608,7 @@ def multi_tensor_sgd(
     """One SGD step in place (torch.optim.SGD semantics). ``momentum_buffers`` are required when
     ``momentum != 0``; ``first_run`` means they are initialised to the (decayed) gradient.
     ``checked``: as :func:`multi_tensor_adam`."""
+    params, grads, momentum_buffers, model_copies = local_shards(params, grads, momentum_buffers, model_copies)
     state = {}
     if momentum != 0:
         if momentum_buffers is None:
@@ -647,6 +668,8 @@ def multi_tensor_adadelta(
     model_copies: Optional[Sequence[Tensor]] = None,
 ) -> None:
     """One Adadelta step in place (torch.optim.Adadelta semantics)."""
+    params, grads, square_avgs, acc_deltas, model_copies = local_shards(
+        params, grads, square_avgs, acc_deltas, model_copies)
     state = {"square_avgs": square_avgs, "acc_deltas": acc_deltas}
     _check_optim_args("multi_tensor_adadelta", params, grads, state, steps, grad_scale, found_inf, model_copies)
     if not params:
@@ -665,13 +688,18 @@ def multi_tensor_adadelta(
 
 def _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
                    bias_correction, grad_averaging, adam_w_mode, global_grad_norm, max_grad_norm, use_nvlamb,
-                   grad_scale, found_inf, model_copies) -> None:
-    """Per-tensor loop (torch has no fused LAMB) with no host synchronisation inside: clip factor,
-    bias corrections and trust ratios stay tensors on the device."""
+                   grad_scale, found_inf, model_copies, reduce_norms=None) -> None:
+    """Per-tensor loops (torch has no fused LAMB) with no host synchronisation inside: clip factor,
+    bias corrections and trust ratios stay tensors on the device. Two passes, as the kernels: the
+    moments and the update with the squared norms of param and update, then (after ``reduce_norms``)
+    the update applied with the trust ratio. A set ``found_inf`` puts back what was touched (every rank
+    still joins ``reduce_norms``)."""
     with _undone_if(found_inf, params, exp_avgs, exp_avg_sqs, steps, model_copies):
         gnorm = global_grad_norm.reshape(())
         clip = (gnorm / max_grad_norm).clamp_min(1.0) if max_grad_norm > 0 else 1.0
         beta3 = 1 - beta1 if grad_averaging else 1.0
+        trust_ratio = weight_decay != 0 or use_nvlamb
+        updates, squares = [], []
         for i, p in enumerate(params):
             g = _unscaled_fp32(grads[i], grad_scale) / clip
             steps[i].add_(1)
@@ -686,15 +714,23 @@ def _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2
             update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
             if weight_decay != 0 and adam_w_mode:
                 update.add_(pf, alpha=weight_decay)
-            if weight_decay != 0 or use_nvlamb:
-                p_norm, u_norm = torch.linalg.vector_norm(pf), torch.linalg.vector_norm(update)
-                trust = torch.where((p_norm != 0) & (u_norm != 0), p_norm / u_norm, 1.0)
-                pf.sub_(update * (trust * lr))
-            else:
-                pf.add_(update, alpha=-lr)
-            _store(p, pf)
             _store(exp_avgs[i], m)
             _store(exp_avg_sqs[i], v)
+            updates.append((pf, update))
+            if trust_ratio:
+                squares.append(torch.stack([pf.square().sum(), update.square().sum()]))
+        if trust_ratio and params:
+            squares = torch.stack(squares)
+            if reduce_norms is not None:
+                squares = reduce_norms(squares)
+            norms = squares.sqrt()
+            trust = torch.where((norms[:, 0] != 0) & (norms[:, 1] != 0), norms[:, 0] / norms[:, 1], 1.0) * lr
+        for i, (pf, update) in enumerate(updates):
+            if trust_ratio:
+                pf.sub_(update * trust[i])
+            else:
+                pf.add_(update, alpha=-lr)
+            _store(params[i], pf)
             if model_copies is not None:
                 model_copies[i].copy_(pf)
 
@@ -720,6 +756,7 @@ def multi_tensor_lamb(
     grad_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     model_copies: Optional[Sequence[Tensor]] = None,
+    reduce_norms: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> None:
     """One LAMB step in place with apex FusedLAMB semantics.
 
@@ -727,7 +764,13 @@ def multi_tensor_lamb(
     grads are divided by ``global_grad_norm / max_grad_norm`` when it exceeds ``max_grad_norm``
     (``max_grad_norm <= 0`` disables clipping). The per-tensor trust ratio
     ``||p|| / ||update||`` scales ``lr`` when ``weight_decay != 0`` or ``use_nvlamb``.
+
+    ``reduce_norms`` (for sharded params: the tensors are local shards or DTensors): called with the
+    fp32 ``[len(params), 2]`` squared norms of each local param and update, it returns them summed
+    over the ranks that hold the other shards of each tensor (the trust ratio is that of the whole
+    tensor). Given, the pure-PyTorch passes run: the compiled kernels cannot pause between theirs.
     """
+    params, grads, exp_avgs, exp_avg_sqs, model_copies = local_shards(params, grads, exp_avgs, exp_avg_sqs, model_copies)
     state = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     _check_optim_args("multi_tensor_lamb", params, grads, state, steps, grad_scale, found_inf, model_copies)
     if not params:
@@ -736,7 +779,7 @@ def multi_tensor_lamb(
         raise TypeError("multi_tensor_lamb: global_grad_norm is required")
     _check_scalar_tensor("multi_tensor_lamb", "global_grad_norm", global_grad_norm, params[0].device)
     ext = _ext_for(params[0].device)
-    if ext is not None and hasattr(ext, "multi_tensor_lamb"):
+    if ext is not None and hasattr(ext, "multi_tensor_lamb") and (reduce_norms is None or not (weight_decay or use_nvlamb)):
         ext.multi_tensor_lamb(
             list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
             list(model_copies) if model_copies is not None else [],
@@ -747,4 +790,4 @@ def multi_tensor_lamb(
     else:
         _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
                        bias_correction, grad_averaging, adam_w_mode, global_grad_norm, max_grad_norm, use_nvlamb,
-                       grad_scale, found_inf, model_copies)
+                       grad_scale, found_inf, model_copies, reduce_norms)

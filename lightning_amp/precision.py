@@ -39,6 +39,7 @@ from torch.optim import LBFGS, Optimizer
 import lightning.pytorch as pl
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -198,6 +199,7 @@ class AmpPrecision(Precision):
                 f"(...): `Fabric(plugins=[{_FABRIC_NAMES.get(type(self).__name__, 'AmpPrecision')}()])`."
             )
         self._use_device_type(trainer.strategy.root_device.type)
+        _refuse_masters_under_fsdp2(self._properties, trainer.strategy)
         self._convert_module(module)
         return module
 
@@ -383,6 +385,16 @@ class AmpO3Plugin(AmpPrecision):
     def __init__(self, **kwargs: Any) -> None:
         _no_opt_level(kwargs, "AmpO3Plugin")
         super().__init__(opt_level="O3", **kwargs)
+
+
+def _refuse_masters_under_fsdp2(props: AmpProperties, strategy: Any) -> None:
+    """Our fp32 masters are whole tensors beside the model; FSDP2 shards the model's own params."""
+    if props.master_weights and props.cast_model and isinstance(strategy, ModelParallelStrategy):
+        raise ValueError(
+            f"lightning_amp: {props.opt_level} (fp32 master weights of a half model) under ModelParallelStrategy "
+            "(FSDP2): O2 under FSDP2 is not supported yet; use O1 (AmpO1Plugin) or Lightning's "
+            "precision='bf16-mixed'."
+        )
 
 
 def _no_opt_level(kwargs: Dict[str, Any], cls_name: str) -> None:

@@ -42,6 +42,7 @@ from lightning_amp.amp.grad_kinds import check_and_unscale_, real_values
 from lightning_amp.amp.kernel_step import KernelStep, supports
 from lightning_amp.amp.master import optimizer_grads, optimizer_params
 from lightning_amp.amp.scaler import LossScaler
+from lightning_amp.ops import local_shards
 from lightning_amp.optimizers.base import FusedOptimizer
 
 Factor = Union[float, Tensor]
@@ -123,7 +124,7 @@ class OptimizerStep:
         self._found = None
 
     def _check(self, inv: Factor) -> Tensor:
-        grads = optimizer_grads(self.optimizer)
+        grads, = local_shards(optimizer_grads(self.optimizer))  # DTensor grads (FSDP2): this rank's shards
         if self.flat is not None and self.flat.views_intact() and len(grads) == len(self.flat.params):
             grads = list(self.flat.buffers.values())  # one tensor per buffer
         device = grads[0].device if grads else next(iter(self._devices), torch.device("cpu"))
@@ -232,7 +233,7 @@ def _nonfinite_flags(optimizer: torch.optim.Optimizer) -> Tuple[List[Tensor], Op
     params = [p for p in optimizer_params(optimizer) if p.grad is not None]
     if not params:
         return params, None
-    grads = [real_values(p.grad) for p in params]
+    grads = [real_values(g) for g in local_shards([p.grad for p in params])[0]]
     device = grads[0].device
     peaks = torch.stack([peak.to(device) for peak in torch._foreach_norm(grads, float("inf"))])
     return params, torch.logical_not(torch.isfinite(peaks)).float()

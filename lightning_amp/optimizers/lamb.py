@@ -14,6 +14,7 @@ from lightning_amp.optimizers.base import (
     grads_of,
     new_step,
 )
+from lightning_amp.optimizers.sharded import any_sharded, norm_reducer, shard_sum_
 
 
 class FusedLAMB(FusedOptimizer):
@@ -26,6 +27,9 @@ class FusedLAMB(FusedOptimizer):
     ``u = m_hat / (sqrt(v_hat) + eps)`` plus ``weight_decay * p`` (``adam_w_mode``; otherwise the
     decay is an L2 term added to the grad), and ``p -= lr * ratio * u`` with the trust ratio
     ``||p|| / ||u||`` when ``weight_decay != 0`` or ``use_nvlamb`` (1 if either norm is 0).
+    DTensor params (FSDP2, DTensor tensor parallelism): both norms are those of whole tensors, the
+    squared norms of the local shards summed over the ranks holding the shards
+    (:mod:`lightning_amp.optimizers.sharded`); every rank must step.
     State per param: ``step`` (0-dim fp32), ``exp_avg``, ``exp_avg_sq`` (param dtype).
     """
 
@@ -55,24 +59,34 @@ class FusedLAMB(FusedOptimizer):
         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
 
     def _before_update(self, grad_scale, found_inf) -> None:
-        """Global norm of the unscaled grads over all groups, as a 0-dim fp32 tensor per device."""
+        """Global norm of the unscaled grads over all groups (of whole tensors: DTensor shards summed
+        over their ranks), as a 0-dim fp32 tensor per device."""
+        grads = [p.grad for group in self.param_groups for p in self._params_with_grad(group)]
+        sharded = any_sharded(grads)
         by_key = defaultdict(list)
-        for group in self.param_groups:
-            for p in self._params_with_grad(group):
-                by_key[(p.grad.device, p.grad.dtype)].append(p.grad)
-        squares = defaultdict(list)
-        for (device, _), grads in by_key.items():
-            norm, _ = ops.multi_tensor_l2norm(grads)
-            squares[device].append(norm.to(device=device, dtype=torch.float32).reshape(()) ** 2)
+        for i, g in enumerate(ops.local_shards(grads)[0]):
+            by_key[(g.device, g.dtype)].append((i, g))
+        squares, order, devices = [], [], []
+        for (device, _), pairs in by_key.items():
+            norm, each = ops.multi_tensor_l2norm([g for _, g in pairs], per_tensor=sharded)
+            devices.append(device)
+            if sharded:
+                squares.append(each.float() ** 2)
+                order.extend(i for i, _ in pairs)
+            else:
+                squares.append(norm.to(dtype=torch.float32).reshape(1) ** 2)
         if not squares:
             self._global_norms = {}
             return
-        home = next(iter(squares))
-        total = torch.stack([s.to(home) for ss in squares.values() for s in ss]).sum().sqrt()
+        home = devices[0]
+        squares = torch.cat([s.to(home) for s in squares])
+        if sharded:
+            squares = shard_sum_([grads[i] for i in order], squares)
+        total = squares.sum().sqrt()
         scale = grad_scale(home)
         if scale is not None:
             total = total / scale
-        self._global_norms = {device: total.to(device) for device in squares}
+        self._global_norms = {device: total.to(device) for device in devices}
 
     def _update(self, group, parts, grad_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
@@ -85,4 +99,5 @@ class FusedLAMB(FusedOptimizer):
                 max_grad_norm=group["max_grad_norm"], bias_correction=group["bias_correction"],
                 grad_averaging=group["grad_averaging"], adam_w_mode=group["adam_w_mode"],
                 use_nvlamb=group["use_nvlamb"], grad_scale=grad_scale(device), found_inf=found_inf(device),
+                reduce_norms=norm_reducer(ps),
             )
