@@ -42,7 +42,7 @@ def _pairs():
 
     def kernel_adamw(params):  # torch's AdamW stepped by the plugins' kernel driver (see _step)
         optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-        optimizer.kernel = KernelStep(optimizer, {})
+        optimizer.kernel = KernelStep(optimizer)
         return optimizer
 
     return {
