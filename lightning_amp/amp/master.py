@@ -7,7 +7,7 @@ its messages.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List
 
 import torch
 from torch import Tensor
@@ -22,15 +22,6 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
 def optimizer_grads(optimizer: torch.optim.Optimizer) -> List[Tensor]:
     """The existing ``.grad`` tensors of ``optimizer``'s params (params without grad are left out)."""
     return [p.grad for p in optimizer_params(optimizer) if p.grad is not None]
-
-
-def nonfinite_flags(grads: Sequence[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(found_inf, per_tensor_flags)`` of ``grads``, read-only: ``found_inf`` is a 0-dim fp32 tensor
-    (1.0 if any grad held inf/nan), the flags fp32 ``[len(grads)]`` (``None`` when ``grads`` is empty)."""
-    if not grads:
-        return torch.zeros(()), None
-    flags = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).float()
-    return flags.max(), flags
 
 
 def param_name(names: Dict[Tensor, List[str]], param: Tensor) -> str:
