@@ -91,6 +91,12 @@ class StepGate:
         self._lag = simulated_device_lag()
         self.last_skipped = False  # of the newest settled step
 
+    @property
+    def lands_at_once(self) -> bool:
+        """Whether a flag recorded on ``device`` reaches the host inside :meth:`record` (a CPU flag
+        without a simulated lag): whoever reacts to it can still read that step's tensors then."""
+        return self._lag == 0
+
     def attach(self, optimizer: Any) -> None:
         """Make ``optimizer``'s skip-aware schedulers consult this gate, and its ``state_dict()`` settle
         the deferred scheduler calls first (they write the ``lr`` that state holds)."""

@@ -173,7 +173,11 @@ class OptimizerStep:
     def apply(self, found_inf: Tensor, in_kernel: bool, **step_kwargs: Any) -> None:
         """Step (or skip, on the device) with the agreed ``found_inf``, update the scale, report the flag.
         ``in_kernel``: the grads were only inspected and the optimizer unscales them (protocol driver)."""
-        params, flags = _nonfinite_flags(self.optimizer)
+        params = [p for p in optimizer_params(self.optimizer) if p.grad is not None]
+        # per-param flags on the device only when the flag may land after these grads are gone (a GPU,
+        # a simulated lag); a CPU flag lands inside record() below, and _skipped reads the grads then
+        at_once = found_inf.device.type == "cpu" and self.gate.lands_at_once
+        flags = None if at_once else _nonfinite_flags(params)
         driver = self.driver
         if driver == "kernel" and not in_kernel:
             skipped = bool(found_inf.item()) if self.kernel.needs_host_flag else False
@@ -208,7 +212,11 @@ class OptimizerStep:
         generation, params = context
         self.skipped += 1
         if self._on_skip is not None:
-            self._on_skip(self, SkipReport(self.nonfinite_params(params, report[2:]), float(report[0]),
+            flags = report[2:]
+            if len(flags) != len(params):  # landed at once (see apply): these are still the step's grads
+                now = _nonfinite_flags(params)
+                flags = [] if now is None else now.tolist()
+            self._on_skip(self, SkipReport(self.nonfinite_params(params, flags), float(report[0]),
                                            int(report[1])))
         if generation == self._late.generation:
             self.clear_grads()
@@ -227,16 +235,15 @@ class SkipReport(NamedTuple):
     overflows_in_a_row: int  #: counted up to and including that step
 
 
-def _nonfinite_flags(optimizer: torch.optim.Optimizer) -> Tuple[List[Tensor], Optional[Tensor]]:
-    """The params of ``optimizer`` that have grads and, on the device, a flag per param (1.0 where its
-    grad holds inf/nan): one multi-tensor max-abs pass, no host read."""
-    params = [p for p in optimizer_params(optimizer) if p.grad is not None]
+def _nonfinite_flags(params: Sequence[Tensor]) -> Optional[Tensor]:
+    """On the device, a flag per param of ``params`` (all with grads): 1.0 where its grad holds inf/nan;
+    one multi-tensor max-abs pass, no host read (None for no params)."""
     if not params:
-        return params, None
+        return None
     grads = [real_values(g) for g in local_shards([p.grad for p in params])[0]]
     device = grads[0].device
     peaks = torch.stack([peak.to(device) for peak in torch._foreach_norm(grads, float("inf"))])
-    return params, torch.logical_not(torch.isfinite(peaks)).float()
+    return torch.logical_not(torch.isfinite(peaks)).float()
 
 
 class _LateSkip:
