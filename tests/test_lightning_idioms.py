@@ -7,8 +7,6 @@ compute in half; O3: ``bf16-true``). The checks are behavioural: how far each we
 and the checkpoint's contents. Models are tiny, a few steps each.
 """
 import functools
-import logging
-import warnings
 
 import lightning as L
 import pytest
@@ -17,6 +15,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAver
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
+from _lightning import quiet_lightning
 from lightning_amp import AmpPrecision
 
 LEVELS = {"O1": "bf16-mixed", "O2": "bf16-mixed", "O3": "bf16-true"}
@@ -25,9 +24,7 @@ TOL = 0.1  # |ours - reference| <= TOL * |reference - start| per tensor; measure
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_lightning():
         yield
 
 

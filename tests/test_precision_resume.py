@@ -1,13 +1,12 @@
 """Exact resume: 2N steps straight == N steps, checkpoint, N more in a new Trainer (bitwise, CPU, every level)."""
-import logging
 import pathlib
-import warnings
 
 import lightning as L
 import pytest
 import torch
 from torch import nn
 
+from _lightning import quiet_lightning
 from lightning_amp import AmpO2Plugin, AmpPrecision, main_params
 
 N = 4  # steps per half: one epoch of 4 batches
@@ -17,9 +16,7 @@ N = 4  # steps per half: one epoch of 4 batches
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_lightning():
         yield
 
 
