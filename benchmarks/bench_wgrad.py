@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
+from bench_optim import measure  # this folder is on sys.path when run as a script
 from lightning_amp import ops
 
 SHAPES = [  # (tokens, in features, out features)
@@ -38,26 +38,12 @@ def _interleaved_medians(fns: dict, repeat: int, device: str, inner: int = 1) ->
     round, so load from other processes on a shared machine hits every variant alike; each sample
     is ``inner`` back-to-back calls (cuda: between two events, so launch gaps and syncs stay out)."""
 
-    def timed(fn):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1000.0 / inner
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        return (time.perf_counter() - start) / inner
-
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            times[name].append(timed(fn))
+            times[name].append(measure(fn, device, repeats=1, inner=inner))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
