@@ -47,9 +47,6 @@ class AmpPrecision(_TrainerAmpPrecision):
     Given to a ``Trainer`` it raises TypeError naming the Trainer plugin to use.
     """
 
-    def __init__(self, opt_level: str = "O1", **kwargs: Any) -> None:
-        super().__init__(opt_level=opt_level, **kwargs)
-
     # ---- setup -------------------------------------------------------------------------
 
     def convert_module(self, module: Module) -> Module:
