@@ -44,6 +44,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp import forward as amp_forward
+from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
@@ -230,7 +231,10 @@ class AmpPrecision(Precision):
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         """The level's forward: see :func:`lightning_amp.amp.forward.forward_context`."""
-        with amp_forward.forward_context(self._properties, self._device_type, self._half_params):
+        half_params = self._half_params
+        if half_params is not None:  # writes inside the block happen only in manual optimization's training_step
+            half_params.watch_writes = getattr(half_params.module, "automatic_optimization", True) is False
+        with amp_forward.forward_context(self._properties, self._device_type, half_params):
             yield
 
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
@@ -245,6 +249,16 @@ class AmpPrecision(Precision):
             if getattr(config, "interval", "step") == "step":
                 make_scheduler_skip_aware(config.scheduler)
         return model, optimizers, lr_schedulers
+
+    def backward(self, tensor: Tensor, model: "pl.LightningModule", *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Lightning's backward; forwards re-run inside it (activation checkpointing) see the level's
+        forward dtypes (:mod:`lightning_amp.amp.recompute`)."""
+        with self._recompute_context():
+            super().backward(tensor, model, *args, **kwargs)
+
+    def _recompute_context(self) -> contextlib.AbstractContextManager:
+        props = self._properties
+        return recompute_context(props.dtype if props.cast_model else None, self._half_params)
 
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """Multiply the loss by the current loss scale (computed in fp32) before the backward hooks."""

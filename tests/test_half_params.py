@@ -73,7 +73,7 @@ def test_error_inside_the_block_removes_the_copies():
         with half:
             raise RuntimeError("boom")
     assert isinstance(model.mix.weight, nn.Parameter) and "weight" not in model.mix.__dict__
-    assert not half._holders and half._hook is None
+    assert not half._installed and half._hook is None
 
 
 def test_writes_and_requires_grad_changes_inside_the_block_reach_the_next_forward():
@@ -93,3 +93,45 @@ def test_writes_and_requires_grad_changes_inside_the_block_reach_the_next_forwar
         out = model.mix(x)
     out.sum().backward()
     assert model.mix._parameters["weight"].grad is not None
+
+
+def test_a_module_added_after_the_first_forward_gets_copies():
+    """The plan is cached between forwards; registering a module anywhere makes the next entry rebuild it."""
+    model, half = _model(torch.bfloat16)
+    with half:
+        model(torch.tensor([1, 2]))
+    model.extra = nn.Linear(6, 6)  # after the plan was built
+    prepare_o2_module_(model, torch.bfloat16, keep_batchnorm_fp32=True)
+    with half:
+        assert model.extra.weight.dtype == torch.bfloat16 and model.mix.weight.dtype == torch.bfloat16
+    assert isinstance(model.extra.weight, nn.Parameter)
+
+
+def test_a_param_replaced_in_parameters_directly_is_the_one_copied():
+    """Writing ``module._parameters[name]`` bypasses the registration hooks: the slot check finds it."""
+    model, half = _model(torch.bfloat16)
+    with half:
+        model(torch.tensor([1, 2]))
+    new = nn.Parameter(torch.randn(6, 6))
+    model.mix._parameters["weight"] = new
+    with half:
+        assert torch.equal(model.mix.weight, new.detach().bfloat16())
+        model(torch.tensor([1, 2])).float().sum().backward()
+    assert new.grad is not None and new.grad.dtype == torch.float32
+    assert "weight" not in model.mix.__dict__
+
+
+def test_without_watching_writes_no_hook_runs_inside_the_block():
+    """``watch_writes=False`` (automatic optimization): no global hook, copies made once per entry."""
+    model, half = _model(torch.bfloat16)
+    half.watch_writes = False
+    with half:
+        assert half._hook is None
+        before = model.mix.weight
+        with torch.no_grad():
+            model.mix._parameters["weight"].mul_(2.0)
+        model(torch.tensor([1, 2]))
+        assert model.mix.weight is before
+    half.watch_writes = True
+    with half:
+        assert half._hook is not None

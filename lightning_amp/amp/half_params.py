@@ -19,17 +19,22 @@ Contract (see docs/o2-design.md for why):
   the Parameters, and any write to a Parameter (callback, ``load_state_dict``, SWA) is what the next
   forward copies — there is no second copy to keep in sync.
 * Entering while already entered (a nested forward context) is a no-op; the copies of the outer
-  entry stay until it exits. Manual optimization steps inside ``training_step`` (inside the
-  block): :meth:`HalfParams.refresh` (called by the plugin after each optimizer step) copies the
-  stepped params again, so the next forward of the same ``training_step`` sees them; a global
-  forward pre-hook (active only inside the block) recasts, before a module's forward, the copy of
-  any of its params written since (version counter) or whose ``requires_grad`` changed
-  (``toggle_optimizer`` inside ``training_step``). A write to a param *through the attribute*
-  inside the block (``self.weight.copy_(...)`` in ``training_step``) lands on the half copy, not on
-  the Parameter; write through ``self.parameters()`` there.
+  entry stay until it exits. Steps and writes *inside* the block (manual optimization:
+  ``training_step`` holds several forwards, optimizer steps and ``toggle_optimizer`` calls):
+  :meth:`HalfParams.refresh` (called by the plugin after each optimizer step) copies the stepped
+  params again, so the next forward of the same ``training_step`` sees them; with
+  ``watch_writes=True`` a global forward pre-hook (active only inside the block) also recasts,
+  before a module's forward, the copy of any of its params written since (version counter) or
+  whose ``requires_grad`` changed. The plugin watches only under manual optimization: under
+  automatic optimization the block is one ``training_step`` whose step and callbacks run outside
+  it, and the hook would cost a Python call per module forward. A write to a param *through the
+  attribute* inside the block (``self.weight.copy_(...)`` in ``training_step``) lands on the half
+  copy, not on the Parameter; write through ``self.parameters()`` there.
 
-Host cost: one cast and one dict write per param per forward. Memory: the half copies live only
-while autograd keeps them for backward (no persistent half weights).
+Host cost per forward: one cast per param and one dict write per slot, in one loop over a plan
+that is rebuilt only when a module or parameter is registered anywhere (torch's global
+registration hooks) or a slot no longer holds its param. Memory: the half copies live only while
+autograd keeps them for backward (no persistent half weights).
 """
 from __future__ import annotations
 
@@ -38,7 +43,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import (
+    register_module_forward_pre_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.utils.hooks import RemovableHandle
 
 from lightning_amp.amp.module_cast import cast_module_, modules_outside_metrics
@@ -62,6 +71,40 @@ def prepare_o2_module_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp3
     return module
 
 
+class _Registrations:
+    """Counts module and parameter registrations anywhere in the process (torch's global hooks,
+    installed on first use): a plan built at count ``n`` is current while the count is ``n``."""
+
+    count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._installed:
+            register_module_module_registration_hook(cls._bump)
+            register_module_parameter_registration_hook(cls._bump)
+            cls._installed = True
+
+    @classmethod
+    def _bump(cls, *args: object) -> None:
+        cls.count += 1
+
+
+class _Entry:
+    """One fp32 Parameter and the slots (module ``_parameters``, module ``__dict__``, name) that read it."""
+
+    __slots__ = ("param", "slots", "version")
+
+    def __init__(self, param: Tensor) -> None:
+        self.param = param
+        self.slots: List[Tuple[Dict[str, Optional[Tensor]], Dict[str, object], str]] = []
+        self.version = -1
+
+
+class _StalePlan(Exception):
+    """A slot no longer holds the param the plan recorded (``_parameters`` written directly)."""
+
+
 class HalfParams:
     """Half copies of ``module``'s fp32 params during forward (see the module docstring).
 
@@ -69,15 +112,21 @@ class HalfParams:
         module: the model (its Parameters are fp32).
         dtype: the half dtype of the copies.
         keep_batchnorm_fp32: BatchNorm modules keep reading their fp32 Parameters.
+        watch_writes: recast, before each module forward inside the block, copies whose param was
+            written or whose ``requires_grad`` changed since they were made (manual optimization).
     """
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+    def __init__(self, module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
+                 watch_writes: bool = True) -> None:
         self.module, self.dtype, self.keep_batchnorm_fp32 = module, dtype, keep_batchnorm_fp32
-        self._slots: List[Tuple[nn.Module, str]] = []
-        self._count = -1
-        self._holders: Dict[Tensor, Tuple[int, List[Tuple[nn.Module, str]]]] = {}  # param -> (version, slots)
+        self.watch_writes = watch_writes
+        self._plan: List[_Entry] = []
+        self._by_module: Dict[int, List[Tuple[str, _Entry]]] = {}
+        self._built_at = -1
+        self._installed: List[_Entry] = []
         self._hook: Optional[RemovableHandle] = None
         self._depth = 0
+        _Registrations.install()
 
     def _reads_fp32(self, sub: nn.Module) -> bool:
         """Modules forward leaves on their fp32 Parameters: BatchNorm when kept fp32, and embeddings
@@ -86,21 +135,30 @@ class HalfParams:
             return True
         return isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and bool(sub.sparse)
 
-    def _slots_now(self) -> List[Tuple[nn.Module, str]]:
-        """(module, param name) of every param slot, rebuilt when the number of modules changes."""
-        subs = list(self.module.modules())
-        if len(subs) == self._count:
-            return self._slots
-        self._count = len(subs)
-        self._slots = [(sub, name) for sub in subs if not self._reads_fp32(sub) for name in sub._parameters]
-        return self._slots
+    def _build_plan(self) -> None:
+        entries: Dict[int, _Entry] = {}
+        by_module: Dict[int, List[Tuple[str, _Entry]]] = {}
+        for sub in self.module.modules():
+            if self._reads_fp32(sub):
+                continue
+            for name, param in sub._parameters.items():
+                if param is None:
+                    continue
+                entry = entries.get(id(param))
+                if entry is None:
+                    entry = entries[id(param)] = _Entry(param)
+                entry.slots.append((sub._parameters, sub.__dict__, name))
+                by_module.setdefault(id(sub), []).append((name, entry))
+        self._plan, self._by_module = list(entries.values()), by_module
+        self._built_at = _Registrations.count
 
     def __enter__(self) -> "HalfParams":
         self._depth += 1
         if self._depth == 1:
             try:
                 self._install()
-                self._hook = register_module_forward_pre_hook(self._pre_forward)
+                if self.watch_writes:
+                    self._hook = register_module_forward_pre_hook(self._pre_forward)
             except BaseException:
                 self._depth -= 1
                 self._remove()
@@ -113,54 +171,64 @@ class HalfParams:
             self._remove()
 
     def _install(self) -> None:
-        holders = self._holders
-        for sub, name in self._slots_now():
-            param = sub._parameters.get(name)
-            if param is None or param.dtype != torch.float32:
-                continue
-            held = holders.get(param)
-            if held is None:
-                held = holders[param] = (param._version, [])
-                sub.__dict__[name] = param.to(self.dtype)
-            else:
-                sub.__dict__[name] = held[1][0][0].__dict__[held[1][0][1]]
-            held[1].append((sub, name))
+        if self._built_at != _Registrations.count:
+            self._build_plan()
+        try:
+            self._install_plan()
+        except _StalePlan:
+            self._remove()
+            self._build_plan()
+            self._install_plan()
 
-    def _recast(self, param: Tensor) -> None:
-        _, slots = self._holders[param]
-        half = param.to(self.dtype)
-        for sub, name in slots:
-            sub.__dict__[name] = half
-        self._holders[param] = (param._version, slots)
+    def _install_plan(self) -> None:
+        dtype, fp32, installed = self.dtype, torch.float32, self._installed
+        for entry in self._plan:
+            param = entry.param
+            if param.dtype is not fp32:
+                continue
+            half = param.to(dtype)
+            installed.append(entry)
+            for params, attrs, name in entry.slots:
+                if params.get(name) is not param:
+                    raise _StalePlan
+                attrs[name] = half
+            entry.version = param._version
+
+    def _recast(self, entry: _Entry) -> None:
+        half = entry.param.to(self.dtype)
+        for _, attrs, name in entry.slots:
+            attrs[name] = half
+        entry.version = entry.param._version
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         """Before each module's forward inside the block: recast a copy whose param was written since
         (version counter) or whose ``requires_grad`` changed (``toggle_optimizer``, freezing)."""
-        params = module._parameters
-        if not params:
+        held = self._by_module.get(id(module))
+        if held is None:
             return
         grad_on = torch.is_grad_enabled()
-        for name, param in params.items():
-            held = self._holders.get(param) if param is not None else None
-            if held is None:
+        attrs = module.__dict__
+        for name, entry in held:
+            half = attrs.get(name)
+            if half is None:
                 continue
-            half = module.__dict__.get(name)
-            if half is None or param._version != held[0] or half.requires_grad != (param.requires_grad and grad_on):
-                self._recast(param)
+            param = entry.param
+            if param._version != entry.version or half.requires_grad != (param.requires_grad and grad_on):
+                self._recast(entry)
 
     def refresh(self) -> None:
         """Inside the block, copy every param again (the plugin calls it after each optimizer step:
         a manual step inside ``training_step`` need not bump the version counters). Outside, nothing
         to do: the next entry copies them."""
         if self._depth > 0:
-            for param in list(self._holders):
-                self._recast(param)
+            for entry in self._installed:
+                self._recast(entry)
 
     def _remove(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        for _, slots in self._holders.values():
-            for sub, name in slots:
-                sub.__dict__.pop(name, None)
-        self._holders = {}
+        for entry in self._installed:
+            for _, attrs, name in entry.slots:
+                attrs.pop(name, None)
+        self._installed = []

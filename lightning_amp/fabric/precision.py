@@ -94,8 +94,9 @@ class AmpPrecision(_TrainerAmpPrecision):
         return None  # Fabric drops what this returns: the loss is scaled in backward()
 
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        """Backward of the loss times the current loss scale."""
-        self._scaled(tensor).backward(*args, **kwargs)
+        """Backward of the loss times the current loss scale (recomputed forwards see the level's dtypes)."""
+        with self._recompute_context():
+            self._scaled(tensor).backward(*args, **kwargs)
 
     def post_backward(self, tensor: Tensor, module: Optional[Module]) -> Any:  # type: ignore[override]
         return tensor  # the grads are on the module's own (fp32) params already
