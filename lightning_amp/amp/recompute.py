@@ -18,7 +18,10 @@ any thread: a CUDA backward runs on the device's autograd thread) switches to th
 state — the half default dtype and, under master weights, the half copies of every param — which
 then holds until the backward returns. A backward that recomputes nothing pays for registering and
 removing one global forward pre-hook. While it holds, the half copies take 2 bytes per param, as in
-forward. O1 needs nothing here: its casts are autocast's, which torch restores.
+forward. O1's casts are autocast's, which torch restores; what O1 adds on top (functions registered
+with :mod:`~lightning_amp.amp.casts`, RNNs run in fp32 on CPUs without a half RNN kernel) is
+thread-local to the forward and not re-applied in a recompute: keep such calls outside checkpointed
+regions.
 """
 from __future__ import annotations
 
