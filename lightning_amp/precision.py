@@ -45,6 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
+from lightning_amp.amp.fsdp2 import fsdp2_half_compute_
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
 from lightning_amp.amp.levels import AmpProperties, check_scaler_keywords, resolve_properties
@@ -199,8 +200,14 @@ class AmpPrecision(Precision):
                 f"(...): `Fabric(plugins=[{_FABRIC_NAMES.get(type(self).__name__, 'AmpPrecision')}()])`."
             )
         self._use_device_type(trainer.strategy.root_device.type)
-        _refuse_masters_under_fsdp2(self._properties, trainer.strategy)
-        self._convert_module(module)
+        props = self._properties
+        if props.master_weights and props.cast_model and isinstance(trainer.strategy, ModelParallelStrategy):
+            # FSDP2 all-gathers the fp32 shards as half copies (its MixedPrecisionPolicy): no HalfParams
+            fsdp2_half_compute_(module, props.dtype, props.keep_batchnorm_fp32)
+            prepare_o2_module_(module, props.dtype, props.keep_batchnorm_fp32)
+            cast_outputs_hook(module, props.cast_model_outputs)
+        else:
+            self._convert_module(module)
         return module
 
     def _convert_module(self, module: Module) -> None:
@@ -385,16 +392,6 @@ class AmpO3Plugin(AmpPrecision):
     def __init__(self, **kwargs: Any) -> None:
         _no_opt_level(kwargs, "AmpO3Plugin")
         super().__init__(opt_level="O3", **kwargs)
-
-
-def _refuse_masters_under_fsdp2(props: AmpProperties, strategy: Any) -> None:
-    """Our fp32 masters are whole tensors beside the model; FSDP2 shards the model's own params."""
-    if props.master_weights and props.cast_model and isinstance(strategy, ModelParallelStrategy):
-        raise ValueError(
-            f"lightning_amp: {props.opt_level} (fp32 master weights of a half model) under ModelParallelStrategy "
-            "(FSDP2): O2 under FSDP2 is not supported yet; use O1 (AmpO1Plugin) or Lightning's "
-            "precision='bf16-mixed'."
-        )
 
 
 def _no_opt_level(kwargs: Dict[str, Any], cls_name: str) -> None:

@@ -1,0 +1,139 @@
+"""O2 under FSDP2 (``fully_shard``): FSDP2's own mixed precision makes the half copies.
+
+Under FSDP2 the module's Parameters are fp32 DTensor shards (1/N per rank): they are O2's fp32
+params, stepped shard by shard by the optimizer. :class:`~lightning_amp.amp.half_params.HalfParams`
+cannot give forward half copies of them: it would cast the *shards* and shadow the whole params
+FSDP2 all-gathers for each forward (it fails with ``got mixed torch.Tensor and DTensor``), and a copy
+cast after the all-gather would gather fp32 (twice the bytes) and hold fp32 and half whole params
+at once. FSDP2's ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)`` does what O2 needs
+in the all-gather itself: each group of params is gathered as half for its forward and backward and
+freed after, and the half grads are reduce-scattered in fp32 into fp32 sharded grads, so the fp32
+params are never gathered whole on one rank.
+
+:func:`fsdp2_half_compute_` gives every FSDP2 group of ``module`` that policy, before the first
+forward:
+
+* a group left at the default policy (``fully_shard`` without ``mp_policy``) gets it set;
+* a group whose policy already says ``param_dtype=dtype, reduce_dtype=torch.float32`` is kept (other
+  fields, such as ``output_dtype``, are the user's);
+* any other policy raises ValueError naming the module, its policy and the one to pass;
+* with ``keep_batchnorm_fp32``, a group holding only BatchNorm params keeps fp32 compute
+  (``param_dtype=None``); a BatchNorm sharded in one group with other layers would be computed in
+  half and raises ValueError saying to ``fully_shard`` it on its own first;
+* a floating param that no ``fully_shard`` manages, or a managed param that is not fp32, raises
+  ValueError (the fix is in the message).
+
+Setting a policy after ``fully_shard`` writes FSDP2's private state (the policy is read at its lazy
+initialisation, on the first forward; checked with torch 2.11 and 2.13); where that state is not as
+expected, or the model already ran forward, the ValueError asks for ``mp_policy`` in ``fully_shard``.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+def _fsdp2():
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    return FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def _groups(state) -> list:
+    """The FSDPParamGroups of one FSDP2 state (a list from torch 2.13, one group or None before)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+def fsdp2_states(module: nn.Module) -> List[Tuple[str, object]]:
+    """(name of the first module, state) of every FSDP2 state in ``module``, each once, outermost first."""
+    FSDPModule, _, fully_shard = _fsdp2()
+    seen, found = set(), []
+    for name, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            state = fully_shard.state(sub)
+            if id(state) not in seen:
+                seen.add(id(state))
+                found.append((name or "<root>", state))
+    return found
+
+
+def _policy_text(policy) -> str:
+    return f"MixedPrecisionPolicy(param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype})"
+
+
+def _fix(dtype: torch.dtype) -> str:
+    return f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype=torch.float32))"
+
+
+@torch.no_grad()
+def fsdp2_half_compute_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+    """Check or set the O2 policy of every FSDP2 group of ``module`` (see the module docstring).
+
+    Raises ValueError, before anything is changed, when a group cannot compute O2 as asked."""
+    _, MixedPrecisionPolicy, _ = _fsdp2()
+    states = fsdp2_states(module)
+    managed = set()  # ids of the params some fully_shard manages
+    plans = []
+    for name, state in states:
+        groups = _groups(state)
+        params = [(fp, fp.sharded_param) for group in groups for fp in group.fsdp_params]
+        kinds = {isinstance(fp._module_info.module, _BatchNorm) for fp, _ in params}
+        for fp, param in params:
+            managed.add(id(param))
+            if param.is_floating_point() and param.dtype != torch.float32:
+                raise ValueError(
+                    f"lightning_amp O2 under FSDP2: param {getattr(fp, '_param_fqn', None) or name!r} is {param.dtype}; "
+                    "O2's params are the fp32 sharded params: leave the model fp32 before fully_shard "
+                    "(the plugin's policy makes the half copies)."
+                )
+        bn_only = keep_batchnorm_fp32 and kinds == {True}
+        if keep_batchnorm_fp32 and kinds == {True, False}:
+            bns = sorted({fp._module_info.module.__class__.__name__ for fp, _ in params
+                          if isinstance(fp._module_info.module, _BatchNorm)})
+            raise ValueError(
+                f"lightning_amp O2 under FSDP2: fully_shard group {name!r} holds {', '.join(bns)} params together "
+                f"with other layers, so FSDP2 would compute that BatchNorm in {dtype}; O2 keeps BatchNorm fp32 "
+                "(keep_batchnorm_fp32=True): call fully_shard(<the BatchNorm>, mesh=...) on each BatchNorm before "
+                "its parent's fully_shard, or pass keep_batchnorm_fp32=False."
+            )
+        want = (None, torch.float32) if bn_only else (dtype, torch.float32)
+        policy = getattr(state, "_mp_policy", None)
+        if policy is None:
+            raise ValueError(f"lightning_amp O2 under FSDP2: cannot read the policy of fully_shard group {name!r} "
+                             f"with this torch; pass {_fix(dtype)} to fully_shard.")
+        if (policy.param_dtype, policy.reduce_dtype) == want or (
+                bn_only and policy.param_dtype in (None, torch.float32) and policy.reduce_dtype in (None, torch.float32)):
+            continue
+        wanted = MixedPrecisionPolicy(param_dtype=want[0], reduce_dtype=want[1])
+        if policy != MixedPrecisionPolicy():
+            raise ValueError(
+                f"lightning_amp O2 under FSDP2: fully_shard group {name!r} has {_policy_text(policy)}; O2 at {dtype} "
+                f"computes in {want[0] or torch.float32} and reduces gradients in fp32: pass "
+                f"{_fix(want[0]) if want[0] else 'no mp_policy'} to that fully_shard, or none (the plugin sets it)."
+            )
+        if getattr(state, "_is_root", None) is not None or not all(hasattr(g, "mp_policy") for g in groups):
+            raise ValueError(
+                f"lightning_amp O2 under FSDP2: cannot set the policy of fully_shard group {name!r} (it already ran "
+                f"forward, or this torch's FSDP2 keeps it elsewhere); pass {_fix(dtype)} to fully_shard."
+            )
+        plans.append((state, groups, wanted))
+    unmanaged = [name for name, p in module.named_parameters() if p.is_floating_point() and id(p) not in managed]
+    if unmanaged:
+        raise ValueError(
+            f"lightning_amp O2 under ModelParallelStrategy needs every param sharded by fully_shard (FSDP2 makes O2's "
+            f"half copies); not sharded: {', '.join(unmanaged[:5])}{' ...' if len(unmanaged) > 5 else ''}. Call "
+            "fully_shard(self, mesh=self.device_mesh['data_parallel']) last in configure_model (also with "
+            "data_parallel_size=1), or use AmpO1Plugin."
+        )
+    for state, groups, wanted in plans:
+        state._mp_policy = wanted
+        for group in groups:
+            group.mp_policy = wanted
+            for fp in group.fsdp_params:
+                fp.mp_policy = wanted
