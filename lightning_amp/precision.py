@@ -22,7 +22,9 @@ level and scale, static 1.0 and bf16 included.
 Under O2 the optimizer holds the module's own fp32 Parameters and their grads are fp32 (the
 half copies forward used hand their grads back through autograd's cast), so ``p.grad``,
 ``grad_norm`` and clipping see what the optimizer steps on, unscaled in
-``on_before_optimizer_step`` as with Lightning's ``16-mixed``. Several optimizers
+``on_before_optimizer_step`` as with Lightning's ``16-mixed``. Under ``ModelParallelStrategy`` (FSDP2) the half
+copies are FSDP2's own: every ``fully_shard`` group all-gathers its fp32 shards as half for compute
+and reduce-scatters fp32 grads (:mod:`lightning_amp.amp.fsdp2` checks or sets the policies). Several optimizers
 (manual optimization): each has its own scaler (see the engine for the shared backward scale).
 """
 from __future__ import annotations

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+
 def _fsdp2():
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -50,7 +51,7 @@ def _groups(state) -> list:
     return [] if group is None else [group]
 
 
-def fsdp2_states(module: nn.Module) -> List[Tuple[str, object]]:
+def _states(module: nn.Module) -> List[Tuple[str, object]]:
     """(name of the first module, state) of every FSDP2 state in ``module``, each once, outermost first."""
     FSDPModule, _, fully_shard = _fsdp2()
     seen, found = set(), []
@@ -71,13 +72,12 @@ def _fix(dtype: torch.dtype) -> str:
     return f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype=torch.float32))"
 
 
-@torch.no_grad()
 def fsdp2_half_compute_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
     """Check or set the O2 policy of every FSDP2 group of ``module`` (see the module docstring).
 
     Raises ValueError, before anything is changed, when a group cannot compute O2 as asked."""
     _, MixedPrecisionPolicy, _ = _fsdp2()
-    states = fsdp2_states(module)
+    states = _states(module)
     managed = set()  # ids of the params some fully_shard manages
     plans = []
     for name, state in states:
