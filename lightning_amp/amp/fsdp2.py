@@ -88,7 +88,8 @@ def fsdp2_half_compute_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp
             managed.add(id(param))
             if param.is_floating_point() and param.dtype != torch.float32:
                 raise ValueError(
-                    f"lightning_amp O2 under FSDP2: param {getattr(fp, '_param_fqn', None) or name!r} is {param.dtype}; "
+                    f"lightning_amp O2 under FSDP2: param {fp._module_info.param_name!r} of fully_shard group {name!r} "
+                    f"is {param.dtype}; "
                     "O2's params are the fp32 sharded params: leave the model fp32 before fully_shard "
                     "(the plugin's policy makes the half copies)."
                 )
@@ -102,27 +103,32 @@ def fsdp2_half_compute_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp
                 "(keep_batchnorm_fp32=True): call fully_shard(<the BatchNorm>, mesh=...) on each BatchNorm before "
                 "its parent's fully_shard, or pass keep_batchnorm_fp32=False."
             )
-        want = (None, torch.float32) if bn_only else (dtype, torch.float32)
         policy = getattr(state, "_mp_policy", None)
         if policy is None:
             raise ValueError(f"lightning_amp O2 under FSDP2: cannot read the policy of fully_shard group {name!r} "
                              f"with this torch; pass {_fix(dtype)} to fully_shard.")
-        if (policy.param_dtype, policy.reduce_dtype) == want or (
-                bn_only and policy.param_dtype in (None, torch.float32) and policy.reduce_dtype in (None, torch.float32)):
+        fp32 = (None, torch.float32)
+        if bn_only:
+            if policy.param_dtype in fp32 and policy.reduce_dtype in fp32:
+                continue  # FSDP2's default: computes in the params' fp32
+            raise ValueError(
+                f"lightning_amp O2 under FSDP2: fully_shard group {name!r} (BatchNorm only) has {_policy_text(policy)}; "
+                "O2 keeps BatchNorm fp32 (keep_batchnorm_fp32=True): pass no mp_policy to that fully_shard."
+            )
+        if (policy.param_dtype, policy.reduce_dtype) == (dtype, torch.float32):
             continue
-        wanted = MixedPrecisionPolicy(param_dtype=want[0], reduce_dtype=want[1])
         if policy != MixedPrecisionPolicy():
             raise ValueError(
                 f"lightning_amp O2 under FSDP2: fully_shard group {name!r} has {_policy_text(policy)}; O2 at {dtype} "
-                f"computes in {want[0] or torch.float32} and reduces gradients in fp32: pass "
-                f"{_fix(want[0]) if want[0] else 'no mp_policy'} to that fully_shard, or none (the plugin sets it)."
+                f"computes in {dtype} and reduces gradients in fp32: pass {_fix(dtype)} to that fully_shard, or no "
+                "mp_policy (the plugin sets it)."
             )
         if getattr(state, "_is_root", None) is not None or not all(hasattr(g, "mp_policy") for g in groups):
             raise ValueError(
                 f"lightning_amp O2 under FSDP2: cannot set the policy of fully_shard group {name!r} (it already ran "
                 f"forward, or this torch's FSDP2 keeps it elsewhere); pass {_fix(dtype)} to fully_shard."
             )
-        plans.append((state, groups, wanted))
+        plans.append((state, groups, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)))
     unmanaged = [name for name, p in module.named_parameters() if p.is_floating_point() and id(p) not in managed]
     if unmanaged:
         raise ValueError(
