@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
-from lightning_amp.amp.fsdp2 import fsdp2_half_compute_
+from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
 from lightning_amp.amp.levels import AmpProperties, check_scaler_keywords, resolve_properties
@@ -132,6 +132,7 @@ class AmpPrecision(Precision):
         self._engine = AmpEngine(self._properties, self._new_scaler, combine_grad, fused_update,
                                  warn=rank_zero_warn)
         self._half_params: Optional[HalfParams] = None
+        self._fsdp2_checked = False  # see _half_copies_by_fsdp2
 
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
@@ -214,6 +215,7 @@ class AmpPrecision(Precision):
 
     def _convert_module(self, module: Module) -> None:
         props = self._properties
+        self._fsdp2_checked = False
         if props.opt_level == "O0":
             cast_module_(module, torch.float32)
         elif props.cast_model and props.master_weights:
@@ -239,8 +241,20 @@ class AmpPrecision(Precision):
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         """The level's forward: see :func:`lightning_amp.amp.forward.forward_context`."""
+        if not self._fsdp2_checked:
+            self._half_copies_by_fsdp2()
         with amp_forward.forward_context(self._properties, self._device_type, self._half_params):
             yield
+
+    def _half_copies_by_fsdp2(self) -> None:
+        """At the first forward: if FSDP2 sharded the model after ``convert_module`` (Fabric's
+        ModelParallelStrategy runs its ``parallelize_fn`` then), FSDP2's policy makes O2's half copies
+        from now on (:mod:`lightning_amp.amp.fsdp2`), not HalfParams, which would cast the shards."""
+        self._fsdp2_checked = True
+        if self._half_params is not None and is_fsdp2(self._half_params.module):
+            props = self._properties
+            fsdp2_half_compute_(self._half_params.module, props.dtype, props.keep_batchnorm_fp32)
+            self._half_params = None
 
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
         """Give each optimizer a scaler and an OptimizerStep, make step schedulers skip-aware."""

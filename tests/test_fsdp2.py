@@ -209,3 +209,49 @@ def test_o2_under_fsdp2_sets_or_keeps_the_policy_and_batchnorm_follows_keep_batc
                              AmpO2Plugin(dtype="bfloat16", keep_batchnorm_fp32=False))
     assert model.seen == {"bn": torch.bfloat16, "head": torch.bfloat16} and len(model.losses) == 1
     assert model.bn.running_mean.dtype == torch.bfloat16
+
+
+def _fabric_o2_run(strategy) -> tuple:
+    """4 AdamW steps of a small MLP under Fabric with AmpO2Precision (bf16); returns the (gathered) params
+    and the dtype of the weight the last Linear computed with."""
+    from lightning.fabric import Fabric
+
+    from lightning_amp.fabric import AmpO2Precision
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[AmpO2Precision(dtype="bfloat16")])
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    seen = []
+    model.module[2].register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype) and None)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        fabric.backward(model(torch.randn(8, 16, generator=data)).float().square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: getattr(p, "full_tensor", lambda: p)().detach().clone() for name, p in model.named_parameters()}, seen
+
+
+def test_fabric_o2_under_fsdp2_hands_the_half_copies_to_fsdp2_and_equals_plain_o2(monkeypatch):
+    # Fabric shards the model (parallelize_fn) after the plugin's convert_module: the plugin's first
+    # forward sees FSDP2 and gives it the O2 policy instead of casting the shards (which crashes)
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+
+    def parallelize(model, mesh):
+        fully_shard(model, mesh=mesh["data_parallel"])
+        return model
+
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    try:
+        sharded, seen = _fabric_o2_run(FabricModelParallel(parallelize, 1, 1))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    plain, plain_seen = _fabric_o2_run("auto")
+    assert seen == plain_seen == [torch.bfloat16] * 4
+    for name, value in plain.items():  # one rank: the same bf16 compute, fp32 update, bit for bit
+        assert torch.equal(sharded[name], value), name

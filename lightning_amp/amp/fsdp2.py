@@ -64,6 +64,12 @@ def _states(module: nn.Module) -> List[Tuple[str, object]]:
     return found
 
 
+def is_fsdp2(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` or one of its submodules."""
+    FSDPModule, _, _ = _fsdp2()
+    return any(isinstance(sub, FSDPModule) for sub in module.modules())
+
+
 def _policy_text(policy) -> str:
     return f"MixedPrecisionPolicy(param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype})"
 
@@ -134,8 +140,8 @@ def fsdp2_half_compute_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp
         raise ValueError(
             f"lightning_amp O2 under ModelParallelStrategy needs every param sharded by fully_shard (FSDP2 makes O2's "
             f"half copies); not sharded: {', '.join(unmanaged[:5])}{' ...' if len(unmanaged) > 5 else ''}. Call "
-            "fully_shard(self, mesh=self.device_mesh['data_parallel']) last in configure_model (also with "
-            "data_parallel_size=1), or use AmpO1Plugin."
+            "fully_shard on the root module last (Trainer: fully_shard(self, mesh=self.device_mesh['data_parallel']) "
+            "in configure_model; Fabric: in parallelize_fn), also with data_parallel_size=1, or use O1."
         )
     for state, groups, wanted in plans:
         state._mp_policy = wanted
