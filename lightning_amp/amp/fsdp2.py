@@ -78,63 +78,82 @@ def _fix(dtype: torch.dtype) -> str:
     return f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype=torch.float32))"
 
 
+def _check_fp32(name: str, params: list, managed: set) -> None:
+    """Every managed param fp32 (O2's params); records the ids of the params in ``managed``."""
+    for fp in params:
+        param = fp.sharded_param
+        managed.add(id(param))
+        if param.is_floating_point() and param.dtype != torch.float32:
+            raise ValueError(
+                f"lightning_amp O2 under FSDP2: param {fp._module_info.param_name!r} of fully_shard group {name!r} is "
+                f"{param.dtype}; O2's params are the fp32 sharded params: leave the model fp32 before fully_shard "
+                "(the plugin's policy makes the half copies)."
+            )
+
+
+def _batchnorm_only(name: str, params: list, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> bool:
+    """Whether the group holds only kept-fp32 BatchNorm params; raises if it holds them with others."""
+    if not keep_batchnorm_fp32:
+        return False
+    is_bn = [isinstance(fp._module_info.module, _BatchNorm) for fp in params]
+    if not any(is_bn):
+        return False
+    if not all(is_bn):
+        bns = sorted({type(fp._module_info.module).__name__ for fp, bn in zip(params, is_bn) if bn})
+        raise ValueError(
+            f"lightning_amp O2 under FSDP2: fully_shard group {name!r} holds {', '.join(bns)} params together with "
+            f"other layers, so FSDP2 would compute that BatchNorm in {dtype}; O2 keeps BatchNorm fp32 "
+            "(keep_batchnorm_fp32=True): call fully_shard(<the BatchNorm>, mesh=...) on each BatchNorm before its "
+            "parent's fully_shard, or pass keep_batchnorm_fp32=False."
+        )
+    return True
+
+
+def _policy_to_set(name: str, state, groups: list, dtype: torch.dtype, bn_only: bool):
+    """None when the group's policy already is O2's; O2's policy when the group has FSDP2's default;
+    raises otherwise."""
+    _, MixedPrecisionPolicy, _ = _fsdp2()
+    policy = getattr(state, "_mp_policy", None)
+    if policy is None:
+        raise ValueError(f"lightning_amp O2 under FSDP2: cannot read the policy of fully_shard group {name!r} with "
+                         f"this torch; pass {_fix(dtype)} to fully_shard.")
+    fp32 = (None, torch.float32)
+    if bn_only:
+        if policy.param_dtype in fp32 and policy.reduce_dtype in fp32:
+            return None  # FSDP2's default: computes in the params' fp32
+        raise ValueError(
+            f"lightning_amp O2 under FSDP2: fully_shard group {name!r} (BatchNorm only) has {_policy_text(policy)}; "
+            "O2 keeps BatchNorm fp32 (keep_batchnorm_fp32=True): pass no mp_policy to that fully_shard."
+        )
+    if (policy.param_dtype, policy.reduce_dtype) == (dtype, torch.float32):
+        return None
+    if policy != MixedPrecisionPolicy():
+        raise ValueError(
+            f"lightning_amp O2 under FSDP2: fully_shard group {name!r} has {_policy_text(policy)}; O2 at {dtype} "
+            f"computes in {dtype} and reduces gradients in fp32: pass {_fix(dtype)} to that fully_shard, or no "
+            "mp_policy (the plugin sets it)."
+        )
+    if getattr(state, "_is_root", None) is not None or not all(hasattr(g, "mp_policy") for g in groups):
+        raise ValueError(
+            f"lightning_amp O2 under FSDP2: cannot set the policy of fully_shard group {name!r} (it already ran "
+            f"forward, or this torch's FSDP2 keeps it elsewhere); pass {_fix(dtype)} to fully_shard."
+        )
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
 def fsdp2_half_compute_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
     """Check or set the O2 policy of every FSDP2 group of ``module`` (see the module docstring).
 
     Raises ValueError, before anything is changed, when a group cannot compute O2 as asked."""
-    _, MixedPrecisionPolicy, _ = _fsdp2()
-    states = _states(module)
-    managed = set()  # ids of the params some fully_shard manages
+    managed: set = set()  # ids of the params some fully_shard manages
     plans = []
-    for name, state in states:
+    for name, state in _states(module):
         groups = _groups(state)
-        params = [(fp, fp.sharded_param) for group in groups for fp in group.fsdp_params]
-        kinds = {isinstance(fp._module_info.module, _BatchNorm) for fp, _ in params}
-        for fp, param in params:
-            managed.add(id(param))
-            if param.is_floating_point() and param.dtype != torch.float32:
-                raise ValueError(
-                    f"lightning_amp O2 under FSDP2: param {fp._module_info.param_name!r} of fully_shard group {name!r} "
-                    f"is {param.dtype}; "
-                    "O2's params are the fp32 sharded params: leave the model fp32 before fully_shard "
-                    "(the plugin's policy makes the half copies)."
-                )
-        bn_only = keep_batchnorm_fp32 and kinds == {True}
-        if keep_batchnorm_fp32 and kinds == {True, False}:
-            bns = sorted({fp._module_info.module.__class__.__name__ for fp, _ in params
-                          if isinstance(fp._module_info.module, _BatchNorm)})
-            raise ValueError(
-                f"lightning_amp O2 under FSDP2: fully_shard group {name!r} holds {', '.join(bns)} params together "
-                f"with other layers, so FSDP2 would compute that BatchNorm in {dtype}; O2 keeps BatchNorm fp32 "
-                "(keep_batchnorm_fp32=True): call fully_shard(<the BatchNorm>, mesh=...) on each BatchNorm before "
-                "its parent's fully_shard, or pass keep_batchnorm_fp32=False."
-            )
-        policy = getattr(state, "_mp_policy", None)
-        if policy is None:
-            raise ValueError(f"lightning_amp O2 under FSDP2: cannot read the policy of fully_shard group {name!r} "
-                             f"with this torch; pass {_fix(dtype)} to fully_shard.")
-        fp32 = (None, torch.float32)
-        if bn_only:
-            if policy.param_dtype in fp32 and policy.reduce_dtype in fp32:
-                continue  # FSDP2's default: computes in the params' fp32
-            raise ValueError(
-                f"lightning_amp O2 under FSDP2: fully_shard group {name!r} (BatchNorm only) has {_policy_text(policy)}; "
-                "O2 keeps BatchNorm fp32 (keep_batchnorm_fp32=True): pass no mp_policy to that fully_shard."
-            )
-        if (policy.param_dtype, policy.reduce_dtype) == (dtype, torch.float32):
-            continue
-        if policy != MixedPrecisionPolicy():
-            raise ValueError(
-                f"lightning_amp O2 under FSDP2: fully_shard group {name!r} has {_policy_text(policy)}; O2 at {dtype} "
-                f"computes in {dtype} and reduces gradients in fp32: pass {_fix(dtype)} to that fully_shard, or no "
-                "mp_policy (the plugin sets it)."
-            )
-        if getattr(state, "_is_root", None) is not None or not all(hasattr(g, "mp_policy") for g in groups):
-            raise ValueError(
-                f"lightning_amp O2 under FSDP2: cannot set the policy of fully_shard group {name!r} (it already ran "
-                f"forward, or this torch's FSDP2 keeps it elsewhere); pass {_fix(dtype)} to fully_shard."
-            )
-        plans.append((state, groups, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)))
+        params = [fp for group in groups for fp in group.fsdp_params]
+        _check_fp32(name, params, managed)
+        wanted = _policy_to_set(name, state, groups, dtype, _batchnorm_only(name, params, dtype, keep_batchnorm_fp32))
+        if wanted is not None:
+            plans.append((state, groups, wanted))
     unmanaged = [name for name, p in module.named_parameters() if p.is_floating_point() and id(p) not in managed]
     if unmanaged:
         raise ValueError(
