@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_amp import AmpPrecision, TensorParallelStrategy
 
 VOCAB, SEQ, WIDTH = 64, 16, 64
-LEVELS = ("32-true", "bf16-mixed", "O0", "O1", "O3")  # O2 under FSDP2: not yet (see docs/scaling-out.md)
+LEVELS = ("32-true", "bf16-mixed", "O0", "O1", "O2", "O3")
 
 
 class Block(nn.Module):
@@ -59,7 +59,8 @@ class TinyLM(L.LightningModule):
 
     def configure_model(self) -> None:
         """Under ModelParallelStrategy only: DTensor TP on the MLPs (when the mesh has a TP dim > 1),
-        then FSDP2 per block and at the root. Other strategies leave the model as it is."""
+        then FSDP2 per block and at the root. Other strategies leave the model as it is. No
+        ``mp_policy``: at O2 the plugin gives every group FSDP2's bf16-compute, fp32-reduce policy."""
         mesh = self.device_mesh
         if mesh is None:
             return

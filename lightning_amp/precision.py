@@ -22,7 +22,9 @@ level and scale, static 1.0 and bf16 included.
 Under O2 the optimizer holds the module's own fp32 Parameters and their grads are fp32 (the
 half copies forward used hand their grads back through autograd's cast), so ``p.grad``,
 ``grad_norm`` and clipping see what the optimizer steps on, unscaled in
-``on_before_optimizer_step`` as with Lightning's ``16-mixed``. Several optimizers
+``on_before_optimizer_step`` as with Lightning's ``16-mixed``. Under ``ModelParallelStrategy`` (FSDP2) the half
+copies are FSDP2's own: every ``fully_shard`` group all-gathers its fp32 shards as half for compute
+and reduce-scatters fp32 grads (:mod:`lightning_amp.amp.fsdp2` checks or sets the policies). Several optimizers
 (manual optimization): each has its own scaler (see the engine for the shared backward scale).
 """
 from __future__ import annotations
@@ -46,6 +48,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
+from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
 from lightning_amp.amp.levels import AmpProperties, check_scaler_keywords, resolve_properties
@@ -130,6 +133,7 @@ class AmpPrecision(Precision):
         self._engine = AmpEngine(self._properties, self._new_scaler, combine_grad, fused_update,
                                  warn=rank_zero_warn)
         self._half_params: Optional[HalfParams] = None
+        self._fsdp2_checked = False  # see _half_copies_by_fsdp2
 
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
@@ -200,12 +204,19 @@ class AmpPrecision(Precision):
                 f"(...): `Fabric(plugins=[{_FABRIC_NAMES.get(type(self).__name__, 'AmpPrecision')}()])`."
             )
         self._use_device_type(trainer.strategy.root_device.type)
-        _refuse_masters_under_fsdp2(self._properties, trainer.strategy)
-        self._convert_module(module)
+        props = self._properties
+        if props.master_weights and props.cast_model and isinstance(trainer.strategy, ModelParallelStrategy):
+            # FSDP2 all-gathers the fp32 shards as half copies (its MixedPrecisionPolicy): no HalfParams
+            fsdp2_half_compute_(module, props.dtype, props.keep_batchnorm_fp32)
+            prepare_o2_module_(module, props.dtype, props.keep_batchnorm_fp32)
+            cast_outputs_hook(module, props.cast_model_outputs)
+        else:
+            self._convert_module(module)
         return module
 
     def _convert_module(self, module: Module) -> None:
         props = self._properties
+        self._fsdp2_checked = False
         if props.opt_level == "O0":
             cast_module_(module, torch.float32)
         elif props.cast_model and props.master_weights:
@@ -231,11 +242,23 @@ class AmpPrecision(Precision):
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         """The level's forward: see :func:`lightning_amp.amp.forward.forward_context`."""
+        if not self._fsdp2_checked:
+            self._half_copies_by_fsdp2()
         half_params = self._half_params
         if half_params is not None:  # writes inside the block happen only in manual optimization's training_step
             half_params.watch_writes = getattr(half_params.module, "automatic_optimization", True) is False
         with amp_forward.forward_context(self._properties, self._device_type, half_params):
             yield
+
+    def _half_copies_by_fsdp2(self) -> None:
+        """At the first forward: if FSDP2 sharded the model after ``convert_module`` (Fabric's
+        ModelParallelStrategy runs its ``parallelize_fn`` then), FSDP2's policy makes O2's half copies
+        from now on (:mod:`lightning_amp.amp.fsdp2`), not HalfParams, which would cast the shards."""
+        self._fsdp2_checked = True
+        if self._half_params is not None and is_fsdp2(self._half_params.module):
+            props = self._properties
+            fsdp2_half_compute_(self._half_params.module, props.dtype, props.keep_batchnorm_fp32)
+            self._half_params = None
 
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
         """Give each optimizer a scaler and an OptimizerStep, make step schedulers skip-aware."""
@@ -399,16 +422,6 @@ class AmpO3Plugin(AmpPrecision):
     def __init__(self, **kwargs: Any) -> None:
         _no_opt_level(kwargs, "AmpO3Plugin")
         super().__init__(opt_level="O3", **kwargs)
-
-
-def _refuse_masters_under_fsdp2(props: AmpProperties, strategy: Any) -> None:
-    """Our fp32 masters are whole tensors beside the model; FSDP2 shards the model's own params."""
-    if props.master_weights and props.cast_model and isinstance(strategy, ModelParallelStrategy):
-        raise ValueError(
-            f"lightning_amp: {props.opt_level} (fp32 master weights of a half model) under ModelParallelStrategy "
-            "(FSDP2): O2 under FSDP2 is not supported yet; use O1 (AmpO1Plugin) or Lightning's "
-            "precision='bf16-mixed'."
-        )
 
 
 def _no_opt_level(kwargs: Dict[str, Any], cls_name: str) -> None:

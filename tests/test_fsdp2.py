@@ -1,7 +1,10 @@
 """FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``) and DTensor params, on 2 real CPU
 processes (gloo): the fused optimizers step DTensor shards as torch's optimizers do (FusedLAMB with
-the norms of whole tensors), O0/O1/O3 train as on one device and skip a step when any rank overflows,
-each rank holds half the params, grads and optimizer state, and O2 is refused with a clear error.
+the norms of whole tensors), O0-O3 train as on one device and skip a step when any rank overflows,
+each rank holds half the params, grads and optimizer state. O2 computes with the half params FSDP2's
+MixedPrecisionPolicy all-gathers (BatchNorm fp32) while the params, grads and optimizer state stay
+fp32 shards; its checkpoints resume exactly and load into the plain fp32 model; FSDP2 policies that
+contradict O2 are refused before training.
 """
 import os
 import subprocess
@@ -14,6 +17,8 @@ import torch.distributed as dist
 
 import lightning as L
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
 from lightning_amp import AmpO2Plugin
 from _net import free_port
 
@@ -79,38 +84,174 @@ def _compare(tmp_path, sharded_dir: Path, level: str, loss_rtol: float, param_rt
     return got, ref
 
 
-def test_o1_under_fsdp2_matches_one_device_and_skips_when_one_rank_overflows(tmp_path):
-    # bf16 autocast: losses within 2.5 bf16 ulps (measured 1.3e-3), params 6e-3 (tolerance 2e-2)
-    got, ref = _compare(tmp_path, _launch_levels(tmp_path, "fsdp", "O1"), "O1", loss_rtol=1e-2, param_rtol=2e-2)
-    for kind in ("params", "grads", "optimizer_state"):  # 2 data-parallel ranks: each holds half
-        assert got["memory"][kind] == pytest.approx(ref["memory"][kind] / 2, rel=0.01), kind
+O2_DTYPES = {"params": {torch.float32}, "grads": {torch.float32},  # the fp32 shards the optimizer steps
+             "forward": {"bn": torch.float32, "head": torch.bfloat16}}  # what the layers computed with
 
 
-def test_o3_and_o0_under_fsdp2_with_tensor_parallel_match_one_device(tmp_path):
-    sharded = _launch_levels(tmp_path, "fsdp_tp", "O3", "O0")  # one launch, two fits
-    # O3, pure bf16 params: 5 updates rounded to bf16 (measured params 1.4e-2, losses 1.0e-3)
+def test_o1_and_o2_under_fsdp2_match_one_device_and_skip_when_one_rank_overflows(tmp_path):
+    sharded = _launch_levels(tmp_path, "fsdp", "O1", "O2")  # one launch, two fits
+    # bf16: losses within 2.5 bf16 ulps (measured O1 1.1e-3, O2 1.3e-3), params (measured 1.6e-2, 1.1e-2)
+    for level in ("O1", "O2"):
+        got, ref = _compare(tmp_path, sharded, level, loss_rtol=1e-2, param_rtol=3e-2)
+        for kind in ("params", "grads", "optimizer_state"):  # 2 data-parallel ranks: each holds half
+            assert got["memory"][kind] == pytest.approx(ref["memory"][kind] / 2, rel=0.01), (level, kind)
+    assert got["dtypes"] == ref["dtypes"] == O2_DTYPES
+
+
+def test_o3_o0_and_o2_under_fsdp2_with_tensor_parallel_match_one_device(tmp_path):
+    sharded = _launch_levels(tmp_path, "fsdp_tp", "O3", "O0", "O2")  # one launch, three fits
+    # O3, pure bf16 params: 5 updates rounded to bf16 (measured params 2.8e-2, losses 1.1e-3)
     _compare(tmp_path, sharded, "O3", loss_rtol=1e-2, param_rtol=4e-2)
-    # O0, fp32 throughout: only the reduction order differs (measured 3e-7)
+    # O0, fp32 throughout: only the reduction order differs (measured 8e-7)
     _compare(tmp_path, sharded, "O0", loss_rtol=1e-5, param_rtol=1e-5)
+    # O2: bf16 compute of fp32 params (measured params 1.7e-2, losses 4.9e-4)
+    got, _ = _compare(tmp_path, sharded, "O2", loss_rtol=1e-2, param_rtol=3e-2)
+    assert got["dtypes"] == O2_DTYPES
 
 
-def test_o2_under_fsdp2_is_refused_before_training(monkeypatch):
+def test_o2_under_fsdp2_resumes_exactly_and_its_checkpoint_loads_into_the_plain_fp32_model(tmp_path):
+    _launch("fsdp2_resume_script.py", str(tmp_path))
+    result = torch.load(tmp_path / "resume.pt", weights_only=False)
+    straight, first, resumed = result["straight"], result["first"], result["resumed"]
+    assert result["sharded"]  # Lightning's distributed checkpoint: each rank wrote its own fp32 shards
+    assert first["skipped"] == resumed["skipped"] == straight["skipped"] == 1  # the scaler state came back
+    assert resumed["scale"] == straight["scale"] == 2.0**7
+    assert resumed["losses"] == straight["losses"][3:]
+    for name, value in straight["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
     sys.path.insert(0, str(HERE))
     import fsdp2_script
+
+    plain = fsdp2_script.Net("single")  # fp32, no plugin, no FSDP2
+    plain.load_state_dict(result["consolidated"]["state_dict"], strict=True)
+    for name, tensor in plain.state_dict().items():
+        assert tensor.dtype in (torch.float32, torch.int64), name
+    for name, param in plain.named_parameters():
+        assert torch.equal(param.detach(), first["params"][name]), name
+
+
+def _sharded(shard):
+    """fsdp2_script's Net with ``shard(model, mesh)`` as its configure_model."""
+    sys.path.insert(0, str(HERE))
+    import fsdp2_script
+
+    class Sharded(fsdp2_script.Net):
+        def configure_model(self):
+            shard(self, self.device_mesh["data_parallel"])
+
+    return Sharded("fsdp")
+
+
+def _fit_one_process(monkeypatch, model, plugin):
+    """Fit ``model`` one step in this process (a one-rank ModelParallelStrategy); returns it."""
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(1, 1), plugins=[plugin],
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 32), torch.randn(8, 4)),
+                                       batch_size=4)
+    try:
+        trainer.fit(model, data)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return model
+
+
+def _bn_apart(model, mesh, **kwargs):
+    fully_shard(model.bn, mesh=mesh)
+    fully_shard(model, mesh=mesh, **kwargs)
+
+
+REFUSED = {
+    "bn_with_other_layers": (lambda model, mesh: fully_shard(model, mesh=mesh),
+                             r"group '<root>' holds BatchNorm1d params together with other layers.*"
+                             r"fully_shard\(<the BatchNorm>, mesh=...\).*keep_batchnorm_fp32=False"),
+    "other_half_dtype": (lambda model, mesh: _bn_apart(model, mesh, mp_policy=MixedPrecisionPolicy(torch.float16)),
+                         r"'<root>' has MixedPrecisionPolicy\(param_dtype=torch.float16, reduce_dtype=None\).*"
+                         r"param_dtype=torch.bfloat16, reduce_dtype=torch.float32"),
+    "half_reduction": (lambda model, mesh: _bn_apart(model, mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16)),
+                       r"reduce_dtype=None\).*reduces gradients in fp32"),
+    "half_params": (lambda model, mesh: _bn_apart(model.bfloat16(), mesh),
+                    r"param 'weight' of fully_shard group '<root>' is torch.bfloat16; O2's params are the fp32"),
+    "no_fully_shard": (lambda model, mesh: None,
+                       r"needs every param sharded by fully_shard.*not sharded: blocks.0.norm.weight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_o2_under_fsdp2_refuses_policies_that_contradict_it_before_training(monkeypatch, case):
+    shard, message = REFUSED[case]
+    model = _sharded(shard)
+    with pytest.raises(ValueError, match=message):
+        _fit_one_process(monkeypatch, model, AmpO2Plugin(dtype="bfloat16"))
+    assert model.losses == []  # refused before the first training step
+
+
+def _policies(model):
+    return {name: (fully_shard.state(sub)._mp_policy.param_dtype, fully_shard.state(sub)._mp_policy.reduce_dtype)
+            for name, sub in (("bn", model.bn), ("root", model))}
+
+
+def test_o2_under_fsdp2_sets_or_keeps_the_policy_and_batchnorm_follows_keep_batchnorm_fp32(monkeypatch):
+    model = _fit_one_process(monkeypatch, _sharded(_bn_apart), AmpO2Plugin(dtype="bfloat16"))  # no mp_policy
+    assert _policies(model) == {"bn": (None, None), "root": (torch.bfloat16, torch.float32)}  # bn: fp32 anyway
+    assert model.seen == {"bn": torch.float32, "head": torch.bfloat16} and len(model.losses) == 1
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    model = _fit_one_process(monkeypatch, _sharded(lambda m, mesh: _bn_apart(m, mesh, mp_policy=policy)),
+                             AmpO2Plugin(dtype="bfloat16"))
+    assert fully_shard.state(model)._mp_policy is policy  # the user's, output_dtype and all
+    assert model.seen == {"bn": torch.float32, "head": torch.bfloat16} and len(model.losses) == 1
+    model = _fit_one_process(monkeypatch, _sharded(lambda m, mesh: fully_shard(m, mesh=mesh)),
+                             AmpO2Plugin(dtype="bfloat16", keep_batchnorm_fp32=False))
+    assert model.seen == {"bn": torch.bfloat16, "head": torch.bfloat16} and len(model.losses) == 1
+    assert model.bn.running_mean.dtype == torch.bfloat16
+
+
+def _fabric_o2_run(strategy) -> tuple:
+    """4 AdamW steps of a small MLP under Fabric with AmpO2Precision (bf16); returns the (gathered) params
+    and the dtype of the weight the last Linear computed with."""
+    from lightning.fabric import Fabric
+
+    from lightning_amp.fabric import AmpO2Precision
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[AmpO2Precision(dtype="bfloat16")])
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    seen = []
+    model.module[2].register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype) and None)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        fabric.backward(model(torch.randn(8, 16, generator=data)).float().square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: getattr(p, "full_tensor", lambda: p)().detach().clone() for name, p in model.named_parameters()}, seen
+
+
+def test_fabric_o2_under_fsdp2_hands_the_half_copies_to_fsdp2_and_equals_plain_o2(monkeypatch):
+    # Fabric shards the model (parallelize_fn) after the plugin's convert_module: the plugin's first
+    # forward sees FSDP2 and gives it the O2 policy instead of casting the shards (which crashes)
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+
+    def parallelize(model, mesh):
+        fully_shard(model, mesh=mesh["data_parallel"])
+        return model
 
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    model = fsdp2_script.Net("fsdp")
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(1, 1),
-                        plugins=[AmpO2Plugin(dtype="bfloat16")], max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 32), torch.randn(8, 4)))
     try:
-        with pytest.raises(ValueError, match="O2 under FSDP2 is not supported yet; use O1 .*bf16-mixed"):
-            trainer.fit(model, data)
+        sharded, seen = _fabric_o2_run(FabricModelParallel(parallelize, 1, 1))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    assert model.losses == []  # refused before the first training step
+    plain, plain_seen = _fabric_o2_run("auto")
+    assert seen == plain_seen == [torch.bfloat16] * 4
+    for name, value in plain.items():  # one rank: the same bf16 compute, fp32 update, bit for bit
+        assert torch.equal(sharded[name], value), name
