@@ -14,8 +14,10 @@ place and the half ``dtype`` as torch's default dtype):
   (:func:`saturate`): an additive attention mask at ``finfo(float32).min`` becomes
   ``finfo(dtype).min``, not ``-inf``, so a fully masked softmax row stays finite (uniform, as in
   fp32) instead of NaN;
-* loss modules (``nn.modules.loss._Loss``: ``CrossEntropyLoss``, ``MSELoss``, ... as Hugging Face
-  heads call them) get their half inputs cast to fp32 instead: the loss is computed in fp32;
+* loss modules (``nn.modules.loss._Loss``: ``CrossEntropyLoss``, ``MSELoss``, ...), also those made
+  inside forward as Hugging Face heads make them, get their half inputs cast to fp32 instead: the
+  loss is computed in fp32 (``_Loss.__call__`` does it while the block is entered: no hook to register
+  on a module that is not a submodule of ``root``);
 * modules left on fp32 Parameters under O2 (:func:`reads_fp32`: BatchNorm kept fp32, whose own hooks
   hand it fp32 input; sparse-grad embeddings) and torchmetrics metrics (their states must not be
   rounded) are left alone;
@@ -28,9 +30,11 @@ without crossing a module boundary. An elementwise op promotes (the result is fp
 module casts it back); a matmul of it with a half weight raises torch's dtype error, as under
 Lightning's ``bf16-true``.
 
-Hooks: one forward pre-hook (with kwargs) per module, registered on the first entry and for modules
-added since (the module count changed); module-level functions, so pickling and deep copies follow
-the module. Outside the block they return at once. Host cost: one Python call per module call.
+Hooks: one forward pre-hook (with kwargs) per module (loss modules excepted), registered on the
+first entry and for modules added since (the module count changed); a module-level function, so
+pickling and deep copies follow the module. Outside the block it returns at once. Host cost: one
+Python call per module call. Like the default dtype, the loss-module cast is process-wide while
+entered.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ _HALF = (torch.float16, torch.bfloat16)
 _HOOKED_ATTR = "_lightning_amp_half_inputs"
 _active: List[torch.dtype] = []  # the half dtype of each entered block, innermost last
 _module_counts: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+_LOSS_CALL = _Loss.__dict__.get("__call__")  # None: _Loss inherits nn.Module.__call__
 
 
 def saturate(tensor: Tensor, dtype: torch.dtype) -> Tensor:
@@ -111,10 +116,12 @@ def _inputs_to_half(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tu
     return _cast_call(args, kwargs, _WIDE, partial(saturate, dtype=_active[-1]))
 
 
-def _loss_inputs_to_fp32(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
-    if not _active:
-        return None
-    return _cast_call(args, kwargs, _HALF, Tensor.float)
+def _fp32_loss_call(self: _Loss, *args: Any, **kwargs: Any) -> Any:
+    """``_Loss.__call__`` while a block is entered: half inputs cast to fp32, then the module's call."""
+    cast = _cast_call(args, kwargs, _HALF, Tensor.float)
+    if cast is not None:
+        args, kwargs = cast
+    return (_LOSS_CALL or nn.Module.__call__)(self, *args, **kwargs)
 
 
 def _hook_new_modules(root: nn.Module, keep_batchnorm_fp32: bool) -> None:
@@ -122,10 +129,10 @@ def _hook_new_modules(root: nn.Module, keep_batchnorm_fp32: bool) -> None:
     if _module_counts.get(root) == len(subs):
         return
     for sub in subs:
-        if sub.__dict__.get(_HOOKED_ATTR) or _is_metric(sub) or reads_fp32(sub, keep_batchnorm_fp32):
+        if sub.__dict__.get(_HOOKED_ATTR) or isinstance(sub, _Loss) or _is_metric(sub) or \
+                reads_fp32(sub, keep_batchnorm_fp32):
             continue
-        sub.register_forward_pre_hook(_loss_inputs_to_fp32 if isinstance(sub, _Loss) else _inputs_to_half,
-                                      with_kwargs=True)
+        sub.register_forward_pre_hook(_inputs_to_half, with_kwargs=True)
         sub.__dict__[_HOOKED_ATTR] = True
     _module_counts[root] = len(subs)
 
@@ -145,9 +152,16 @@ def half_inputs(root: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) 
         raise ValueError(f"half_inputs: `dtype` must be torch.float16 or torch.bfloat16, got {dtype}")
     _hook_new_modules(root, keep_batchnorm_fp32)
     handle = register_module_buffer_registration_hook(partial(_buffer_to_half, dtype, keep_batchnorm_fp32))
+    if not _active:
+        _Loss.__call__ = _fp32_loss_call
     _active.append(dtype)
     try:
         yield
     finally:
         _active.pop()
         handle.remove()
+        if not _active:
+            if _LOSS_CALL is None:
+                del _Loss.__call__
+            else:
+                _Loss.__call__ = _LOSS_CALL
