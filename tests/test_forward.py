@@ -163,12 +163,15 @@ def test_half_inputs_reaches_loss_modules_made_inside_forward_and_modules_added_
 def test_half_inputs_leaves_metrics_alone_and_stores_late_buffers_half():
     model = nn.Module()
     model.metric = torchmetrics.SumMetric()
+    model.metric.features = _Seen()  # a network inside a metric (FID's Inception, ...)
     value = torch.tensor(511.0)
     with half_inputs(model, BF16, keep_batchnorm_fp32=True):
         model.metric(value)
+        model.metric.features(value)
         model.register_buffer("table", torch.full((2,), 1e5, dtype=torch.float32))
         nn.Module().register_buffer("steps", torch.zeros(2, dtype=torch.long))  # integer buffers stay
     assert model.metric.compute() == 511.0  # bf16 would read 512
+    assert model.metric.features.seen[0] == torch.float32
     assert model.table.dtype == BF16
     model.register_buffer("outside", torch.zeros(1))
     assert model.outside.dtype == torch.float32

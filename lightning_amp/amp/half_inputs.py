@@ -19,8 +19,8 @@ place and the half ``dtype`` as torch's default dtype):
   loss is computed in fp32 (``_Loss.__call__`` does it while the block is entered: no hook to register
   on a module that is not a submodule of ``root``);
 * modules left on fp32 Parameters under O2 (:func:`reads_fp32`: BatchNorm kept fp32, whose own hooks
-  hand it fp32 input; sparse-grad embeddings) and torchmetrics metrics (their states must not be
-  rounded) are left alone;
+  hand it fp32 input; sparse-grad embeddings) and torchmetrics metrics with everything inside them
+  (their states must not be rounded) are left alone;
 * a floating fp32/fp64 buffer registered inside the block (a table built on the first forward) is
   stored as ``dtype``, as :func:`~lightning_amp.amp.half_params.prepare_o2_module_` stores the
   buffers present at setup.
@@ -49,7 +49,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
-from lightning_amp.amp.module_cast import _is_metric
+from lightning_amp.amp.module_cast import _is_metric, modules_outside_metrics
 
 _WIDE = (torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -125,16 +125,15 @@ def _fp32_loss_call(self: _Loss, *args: Any, **kwargs: Any) -> Any:
 
 
 def _hook_new_modules(root: nn.Module, keep_batchnorm_fp32: bool) -> None:
-    subs = list(root.modules())
-    if _module_counts.get(root) == len(subs):
+    count = sum(1 for _ in root.modules())
+    if _module_counts.get(root) == count:
         return
-    for sub in subs:
-        if sub.__dict__.get(_HOOKED_ATTR) or isinstance(sub, _Loss) or _is_metric(sub) or \
-                reads_fp32(sub, keep_batchnorm_fp32):
+    for sub in modules_outside_metrics(root):  # a metric's own networks (FID's Inception, ...) stay as they are
+        if sub.__dict__.get(_HOOKED_ATTR) or isinstance(sub, _Loss) or reads_fp32(sub, keep_batchnorm_fp32):
             continue
         sub.register_forward_pre_hook(_inputs_to_half, with_kwargs=True)
         sub.__dict__[_HOOKED_ATTR] = True
-    _module_counts[root] = len(subs)
+    _module_counts[root] = count
 
 
 def _buffer_to_half(dtype: torch.dtype, keep_batchnorm_fp32: bool, module: nn.Module, name: str,
