@@ -9,7 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
+from lightning_amp.amp.levels import resolve_properties
 from lightning_amp.bench import gpu_check
 from lightning_amp.bench.gpu_report import load_parts, write_report
 from lightning_amp.bench.gpu_targets import FAIL, NOT_RUN, PASS, TARGETS, evaluate
@@ -63,6 +66,9 @@ def good_parts():
                                              _record("bf16-true", 70.0, 11000.0, 0.310),
                                              _record("O2", 72.0, 11900.0, 0.302)]}),
         "bench-fused": _part("bench-fused", {"records": [_record("O2", 70.0, 11500.0, 0.302, optimizer="FusedAdam")]}),
+        "o2-forward": _part("o2-forward", {"records": [
+            dict(_record("O2", ms, 11500.0, 0.302, optimizer="FusedAdam"), o2_forward=forward)
+            for forward, ms in (("cast", 70.0), ("autocast", 75.0), ("cast", 70.5), ("autocast", 75.5))]}),
     }
 
 
@@ -95,6 +101,9 @@ def _setter(key):
         return lambda p, v: _set_field(p, "bench-fused", "O2", "peak_mem_mb", 20000.0 * v)
     if key == "o2_loss_vs_tf32":
         return lambda p, v: _set_field(p, "bench-fused", "O2", "final_loss", 0.300 * (1 + v))
+    if key == "o2_forward_vs_autocast":  # medians: autocast 75.25 ms, cast 70.25 ms -> move both cast runs
+        return lambda p, v: [r.update(step_time_ms=75.25 * v) for r in _records(p, "o2-forward")
+                             if r["o2_forward"] == "cast"]
     if key.endswith("_bandwidth"):  # fused_adam_<mode>_bandwidth, scale_<mode>_bandwidth; copy is 3000 GB/s
         op, mode = ("adamw", key.split("_")[2]) if key.startswith("fused_adam") else ("scale", key.split("_")[1])
         return lambda p, v: _set_optim(p, op, mode, ours_gbs=3000.0 * v)
@@ -150,7 +159,7 @@ def test_build_suite_and_sync_verdicts_fail_on_what_they_name():
     assert _verdict(parts, "suite").status == FAIL
 
 
-@pytest.mark.parametrize("missing", ["build", "suite", "sync", "optim", "wgrad", "bench", "bench-fused"])
+@pytest.mark.parametrize("missing", ["build", "suite", "sync", "optim", "wgrad", "bench", "bench-fused", "o2-forward"])
 def test_a_missing_part_gives_not_run_for_its_targets_only(missing):
     parts = good_parts()
     del parts[missing]
@@ -211,11 +220,12 @@ def test_report_files_hold_a_verdict_line_per_target(tmp_path):
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert len(report["verdicts"]) == len(TARGETS) == len(verdicts)
     assert [v["status"] for v in report["verdicts"]].count(FAIL) == 1
-    assert "**20 PASS, 1 FAIL, 0 NOT RUN**" in md
+    assert "**21 PASS, 1 FAIL, 0 NOT RUN**" in md
     for target in TARGETS:
         assert sum(line.startswith("| ") and f"| {target.what} |" in line for line in md.splitlines()) == 1
     assert "| FAIL | wgrad into fp32 main_grad / plain bf16 GEMM, 4096 x 1024 -> 4096 | 1.500x | <= 1.030x |" in md
     assert "FusedAdam" in md and "copy" in md  # the bench and optimizer tables are in it
+    assert "| autocast | 75.50 | 11500 | 0.3020 |  |" in md  # and the O2 forward runs
 
 
 def _load_script(name, monkeypatch):
@@ -348,3 +358,40 @@ def test_the_budget_cuts_part_timeouts_and_skips_parts_it_cannot_fit(tmp_path, m
     calls.clear()
     assert gpu_check.main(["--out", str(tmp_path), "--part", "wgrad", "--timeout", "30"]) == 0
     assert calls == [("build", 30.0), ("wgrad", 30.0)]  # no budget: each part gets --timeout
+
+
+def test_o2_forward_verdict_uses_medians_names_the_decision_and_needs_both_forwards():
+    parts = good_parts()
+    verdict = _verdict(parts, "o2_forward_vs_autocast")
+    assert verdict.status == PASS and verdict.value == pytest.approx(70.25 / 75.25)
+    assert "keep the forward without it" in verdict.detail
+    for record in _records(parts, "o2-forward"):
+        record["step_time_ms"] = 74.0 if record["o2_forward"] == "cast" else 75.0  # autocast costs 1.4%
+    verdict = _verdict(parts, "o2_forward_vs_autocast")
+    assert verdict.status == FAIL and "autocast may come back" in verdict.detail
+    parts["o2-forward"]["data"]["records"] = [r for r in _records(parts, "o2-forward") if r["o2_forward"] == "cast"]
+    assert _verdict(parts, "o2_forward_vs_autocast").status == FAIL  # one forward alone is no figure
+    parts = good_parts()
+    _records(parts, "o2-forward")[1]["device_name"] = "NVIDIA H200"
+    assert _verdict(parts, "o2_forward_vs_autocast").status == FAIL
+
+
+def test_the_o2_forward_bench_runs_the_former_forward_under_autocast(monkeypatch):
+    from lightning_amp.amp import forward as amp_forward
+    from lightning_amp.bench.gpu_o2_forward import use_forward
+
+    monkeypatch.setattr(amp_forward, "forward_context", amp_forward.forward_context)  # restored after the test
+    model = prepare_o2_module_(torch.nn.Linear(2, 2), torch.bfloat16, keep_batchnorm_fp32=True)
+    half_params = HalfParams(model, torch.bfloat16, keep_batchnorm_fp32=True)
+    props = resolve_properties(opt_level="O2", dtype="bfloat16", device_type="cpu")
+
+    def inside():
+        with amp_forward.forward_context(props, "cpu", half_params):
+            return torch.is_autocast_enabled("cpu"), model.weight.dtype, torch.get_default_dtype()
+
+    use_forward("cast")
+    assert inside() == (False, torch.bfloat16, torch.bfloat16)  # the shipped forward
+    use_forward("autocast")
+    assert inside() == (True, torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="forward must be one of"):
+        use_forward("fp32")

@@ -22,6 +22,10 @@ import pytest
 import torch
 from lightning.pytorch.demos.transformer import LightningTransformer, Transformer
 from torch import nn
+from torch.nn.modules.loss import _Loss
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, main_params
@@ -249,7 +253,8 @@ def _output_error(got: List[torch.Tensor], reference: List[torch.Tensor]) -> flo
 
 
 class _FirstStep(L.Callback):
-    """The stepped params once cast and connected (``before``) and the first forward's logits (``logits``)."""
+    """The stepped params once cast and connected (``before``), the first forward's logits (``logits``),
+    their dtype as the model computed them (``logits_dtype``) and whether autocast was on (``autocast``)."""
 
     def on_train_start(self, trainer, pl_module):
         self.before = [p.detach().float().clone() for p in main_params(trainer.optimizers[0])]
@@ -257,6 +262,8 @@ class _FirstStep(L.Callback):
 
     def _first_output(self, module, args, output):
         self.logits = _logits(output)
+        self.logits_dtype = (output.logits if hasattr(output, "logits") else output).dtype
+        self.autocast = torch.is_autocast_enabled("cpu")
         self._hook.remove()
 
 
@@ -323,6 +330,8 @@ def test_third_party_model_trains_at_every_level(name, level, dtype_name, fp32_f
     error = _output_error(first.logits, reference)
     assert error <= _first_logits_tolerance(dtype), (error, _first_logits_tolerance(dtype))
     _check_level(level, dtype, model, model.trainer.optimizers[0])
+    if level == "O2":  # half end to end without autocast (amp/half_inputs.py), as on CUDA
+        assert not first.autocast and first.logits_dtype == dtype, (first.autocast, first.logits_dtype)
 
 
 @pytest.mark.parametrize("name", _cells(["demo_transformer", "llama"]))
@@ -340,3 +349,133 @@ def test_o2_checkpoint_loads_into_the_plain_fp32_model(name, tmp_path):
     assert all(torch.equal(p, m) for p, m in zip(plain.parameters(), trained))
     with torch.no_grad():
         assert torch.isfinite(plain.training_step(batch, 0))
+
+
+# ------------------------------------------------------------------ O2's forward without autocast
+
+#: torch's autocast fp32 list on CUDA (aten/src/ATen/autocast_mode.h: AT_FORALL_FP32 and
+#: AT_FORALL_FP32_SET_OPT_DTYPE) less its losses and the ops CPU autocast already runs in fp32:
+#: the ops that would upcast O2's activations on a GPU if O2's forward ran under autocast there
+AUTOCAST_CUDA_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "softplus", "layer_norm", "group_norm",
+    "cosine_similarity", "dist", "renorm", "logsumexp", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
+    "linalg_vector_norm", "sum", "sum.dim_IntList",
+)
+#: the same ops as a TorchDispatchMode sees them, after their CompositeImplicit decompositions
+_SPIED = {name.split(".")[0] for name in AUTOCAST_CUDA_FP32} | {
+    "native_layer_norm", "native_group_norm", "_softmax", "_safe_softmax", "_log_softmax"}
+
+
+def _fp32_policy(op):
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
+            return op(*[a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args],
+                      **kwargs)
+    return kernel
+
+
+@pytest.fixture
+def cuda_autocast_policy_on_cpu():
+    """CPU autocast given CUDA's fp32 policy for :data:`AUTOCAST_CUDA_FP32` while the test runs: what a
+    forward under ``torch.autocast`` would do to these ops on a GPU, made visible on the CPU."""
+    lib = torch.library.Library("aten", "IMPL")
+    for name in AUTOCAST_CUDA_FP32:
+        packet, _, overload = name.partition(".")
+        lib.impl(name, _fp32_policy(getattr(getattr(torch.ops.aten, packet), overload or "default")), "AutocastCPU")
+    yield
+    lib._destroy()
+
+
+class _DtypeSpy(TorchDispatchMode):
+    """Records (op, floating input dtypes, floating output dtypes) of every op run outside a loss module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[tuple] = []
+        self.in_loss = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.in_loss:
+            def floats(tree):
+                return {t.dtype for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            self.ops.append((func.overloadpacket.__name__, floats((args, kwargs)), floats(out)))
+        return out
+
+
+class _SpiedStep(HFModule):
+    """The first ``training_step`` runs under a :class:`_DtypeSpy` (loss modules' ops left out)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.spy, self.loss_dtype = _DtypeSpy(), None
+
+    def training_step(self, batch, batch_idx):
+        if self.loss_dtype is not None:
+            return super().training_step(batch, batch_idx)
+        spy = self.spy
+        enter = register_module_forward_pre_hook(lambda m, a: setattr(spy, "in_loss", spy.in_loss + isinstance(m, _Loss)))
+        leave = register_module_forward_hook(lambda m, a, o: setattr(spy, "in_loss", spy.in_loss - isinstance(m, _Loss)))
+        try:
+            with spy:
+                loss = super().training_step(batch, batch_idx)
+        finally:
+            enter.remove()
+            leave.remove()
+        self.loss_dtype = loss.dtype
+        return loss
+
+
+@needs_transformers
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_o2_bert_forward_stays_half_under_cuda_autocast_policy(dtype_name, cuda_autocast_policy_on_cpu):
+    """Under CUDA autocast's fp32 policy (emulated on the CPU), O2's BERT forward still feeds
+    LayerNorm, softmax, pow, sum, ... half activations, and no op outside the loss returns fp32."""
+    dtype = DTYPES[dtype_name]
+    bert, batch = _bert()
+    model = _SpiedStep(bert.model)
+    losses = _train(model, batch, AmpO2Plugin(dtype=dtype))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+    spied = [(name, ins) for name, ins, _ in model.spy.ops if name in _SPIED and ins]
+    assert {"native_layer_norm", "_softmax"} <= {name for name, _ in spied}  # the spy saw them
+    assert [(name, ins) for name, ins in spied if ins != {dtype}] == []
+    upcast = [(name, ins, outs) for name, ins, outs in model.spy.ops if torch.float32 in outs or torch.float64 in outs]
+    assert upcast == [("_to_copy", {dtype}, {torch.float32})]  # half end to end but the logits cast into the loss
+    assert model.loss_dtype == torch.float32  # the loss module ran in fp32
+
+
+class _MaskInForward(HFModule):
+    """Builds BERT's additive mask inside forward the way models that read their dtype from their
+    parameters do (fp32 under O2, ``finfo(float32).min`` on masked keys), and passes it by keyword."""
+
+    def training_step(self, batch, batch_idx):
+        batch = dict(batch)
+        keep = batch.pop("attention_mask")[:, None, None, :].to(self.dtype)  # LightningModule.dtype: fp32
+        mask = (1.0 - keep) * torch.finfo(self.dtype).min
+        return self.model(attention_mask=mask.expand(-1, 1, SEQ, SEQ), **batch).loss
+
+
+@needs_transformers
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_o2_casts_an_fp32_mask_passed_by_keyword_and_keeps_fully_masked_rows_finite(dtype_name):
+    dtype = DTYPES[dtype_name]
+    torch.manual_seed(0)
+    bert, batch = _bert()
+    batch["attention_mask"][1] = 0  # sample 1 attends to nothing: every row of its attention fully masked
+    model, reference = _MaskInForward(bert.model), _MaskInForward(_bert()[0].model)
+    model.load_state_dict(reference.state_dict())
+    seen = []
+    _output_module(reference).register_forward_hook(lambda m, a, out: seen.append(_logits(out)))
+    with torch.no_grad():
+        reference.training_step(batch, 0)
+    first = _FirstStep()
+
+    losses = _train(model, batch, AmpO2Plugin(dtype=dtype), first)
+
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    assert all(torch.isfinite(part).all() for part in first.logits)
+    uniform = torch.full((SEQ,), 1.0 / SEQ)
+    assert all(torch.allclose(att[1], uniform.expand_as(att[1])) for att in first.logits[1:])  # as in fp32
+    assert _output_error(first.logits, seen[0]) <= _first_logits_tolerance(dtype)

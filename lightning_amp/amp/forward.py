@@ -7,20 +7,18 @@
   Lightning's ``bf16-true`` / ``16-true`` do, so tensors the model creates there without a dtype
   (``torch.zeros(...)`` tables, ``torch.ones(...)`` masks, lazily built buffers) are half and
   meet half weights. What the default dtype cannot reach — tensors made fp32 on purpose
-  (``torch.arange(n).float()``, ``dtype=torch.float32``, fp32 buffers added after the cast) —
-  is handled per level:
+  (``torch.arange(n).float()``, ``dtype=torch.float32``, masks built from a Hugging Face model's
+  ``self.dtype``, which reads the fp32 Parameters) — is handled per level:
 
-  - O2 also runs under ``torch.autocast(dtype)``, so it trains what Lightning's ``bf16-mixed``
-    trains: autocast casts fp32 operands of matmuls, convolutions and attention to half, and runs
-    its float32 ops (losses; on CUDA also softmax, layer_norm, ...) in fp32. The weights forward
-    sees are half copies of the fp32 Parameters, BatchNorm fp32 (its hooks hand it fp32 input;
-    batch_norm is in no autocast list). Autocast is also what lets models that read their dtype
-    from ``parameters()`` (Hugging Face ``self.dtype``: fp32 here) mix fp32 masks with half
-    activations.
-  - O3 stays pure half (no autocast), exactly Lightning's ``bf16-true``.
-
-  Autocast alone would not do: an fp32 table added to half activations promotes them to fp32,
-  and ops outside autocast's lists (CPU layer_norm) then meet half weights.
+  - O2 (master weights) casts them where they enter a module (:mod:`~lightning_amp.amp.half_inputs`):
+    fp32 inputs of every submodule become half (saturating, so fp32 masks stay finite), loss modules
+    compute in fp32, fp32 buffers registered during forward are stored half. It does *not* run under
+    ``torch.autocast``, on any device: on CUDA autocast's fp32 list (``layer_norm``, ``softmax``,
+    ``sum``, ``pow``, ...) would upcast the activations at every LayerNorm and softmax, and one
+    mechanism on every device is the one the CPU test suite proves. BatchNorm stays fp32 (its hooks
+    hand it fp32 input).
+  - O2 without master weights (no module reaches this function) keeps ``torch.autocast(dtype)``.
+  - O3 stays pure half (no autocast, no input casts), exactly Lightning's ``bf16-true``.
 
 The previous default dtype is restored on exit, also on error. torch's default dtype is
 process-wide (not per thread), as it is for Lightning's half-true precision.
@@ -33,6 +31,7 @@ from typing import Iterator, Optional
 import torch
 
 from lightning_amp.amp.casts import cast_context
+from lightning_amp.amp.half_inputs import half_inputs
 from lightning_amp.amp.half_params import HalfParams
 from lightning_amp.amp.levels import AmpProperties
 from lightning_amp.amp.module_cast import default_dtype
@@ -56,7 +55,8 @@ def forward_context(props: AmpProperties, device_type: str, half_params: Optiona
     ``half_params``: under master weights, the model's fp32 params are seen as these half copies
     inside the block (:class:`~lightning_amp.amp.half_params.HalfParams`)."""
     if half_params is not None:
-        with half_params, half_forward(props.dtype, device_type, autocast=props.opt_level == "O2"):
+        with half_params, default_dtype(props.dtype), \
+                half_inputs(half_params.module, props.dtype, props.keep_batchnorm_fp32):
             yield
     elif props.autocast:
         with torch.autocast(device_type, dtype=props.dtype, cache_enabled=False):

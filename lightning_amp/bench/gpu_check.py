@@ -15,7 +15,10 @@ subprocess with its own timeout (default :data:`PART_TIMEOUT_S`), its output in 
 - ``wgrad``: ``benchmarks/bench_wgrad.py --device cuda``;
 - ``bench``: ``lightning-amp bench --accelerator cuda`` on BERT-base (seq 128, batch 256, 300 steps) at
   32-true (TF32), bf16-mixed, bf16-true, O1, O2, O3 with the example's optimizer;
-- ``bench-fused``: the same at O1, O2, O3 with ``--optimizer fused-adam``.
+- ``bench-fused``: the same at O1, O2, O3 with ``--optimizer fused-adam``;
+- ``o2-forward``: O2 + FusedAdam on the same BERT-base with the shipped forward (no autocast) and the
+  former one (under ``torch.autocast``), alternating, each run a fresh process
+  (:mod:`lightning_amp.bench.gpu_o2_forward`).
 
 The report (``gpu-check.md``, ``gpu-check.json``) is written from every ``part-*.json`` in DIR, so
 parts run by separate calls into one folder (or copied into one) make one report. Exit status: 1 when
@@ -48,7 +51,7 @@ from lightning_amp.bench.gpu_report import part_path, verdict_lines, write_repor
 from lightning_amp.bench.gpu_targets import FAIL, part_status
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("build", "suite", "sync", "optim", "wgrad", "bench", "bench-fused")
+PARTS = ("build", "suite", "sync", "optim", "wgrad", "bench", "bench-fused", "o2-forward")
 PART_TIMEOUT_S = 480
 MIN_PART_S = 60
 BENCH_LEVELS = "32-true,bf16-mixed,bf16-true,O1,O2,O3"
@@ -190,11 +193,22 @@ def _part_bench_fused(run, raw):
     return {"records": bench_json_records(raw / "bench-fused" / "bench.json")}
 
 
+def _o2_forward_records(raw):
+    return {"records": _json_rows(raw / "o2-forward.json")}
+
+
+def _part_o2_forward(run, raw):
+    run([sys.executable, "-m", "lightning_amp.bench.gpu_o2_forward", "--json", str(raw / "o2-forward.json")])
+    return _o2_forward_records(raw)
+
+
 _COLLECT = {"build": _part_build, "suite": _part_suite, "sync": _part_sync, "optim": _part_optim,
-            "wgrad": _part_wgrad, "bench": _part_bench, "bench-fused": _part_bench_fused}
+            "wgrad": _part_wgrad, "bench": _part_bench, "bench-fused": _part_bench_fused,
+            "o2-forward": _part_o2_forward}
 #: where a timed-out part still has figures: the files its tools rewrite as they go
 _PARTIAL = {"optim": lambda raw: {"rows": _json_rows(raw / "optim.json")},
-            "wgrad": lambda raw: {"rows": _json_rows(raw / "wgrad.json")}}
+            "wgrad": lambda raw: {"rows": _json_rows(raw / "wgrad.json")},
+            "o2-forward": _o2_forward_records}
 
 
 @functools.lru_cache(maxsize=None)

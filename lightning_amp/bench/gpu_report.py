@@ -71,6 +71,15 @@ def _wgrad_table(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _o2_forward_table(records: list) -> str:
+    lines = ["| O2 forward | ms/step | peak MiB | final loss | error |", "|---|---:|---:|---:|---|"]
+    for r in records:
+        cells = [r.get("o2_forward", "?")] + [f"{r[k]:.{d}f}" if isinstance(r.get(k), (int, float)) else "-"
+                                              for k, d in (("step_time_ms", 2), ("peak_mem_mb", 0), ("final_loss", 4))]
+        lines.append("| " + " | ".join(cells + [r.get("error") or ""]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(parts: dict, verdicts: list, note: str = "") -> str:
     now = datetime.datetime.now(datetime.timezone.utc)
     counts = {s: sum(v.status == s for v in verdicts) for s in (PASS, FAIL, NOT_RUN)}
@@ -89,6 +98,10 @@ def render_markdown(parts: dict, verdicts: list, note: str = "") -> str:
     records = bench_records(parts)
     if records:
         out += ["\n## Training runs (`lightning-amp bench`)\n", markdown_table(records)]
+    forwards = ((parts.get("o2-forward") or {}).get("data") or {}).get("records")
+    if forwards:
+        out += ["\n## O2's forward with and without autocast (`lightning_amp.bench.gpu_o2_forward`)\n",
+                _o2_forward_table(forwards)]
     optim = ((parts.get("optim") or {}).get("data") or {}).get("rows")
     if optim:
         out += ["\n## Optimizers and multi-tensor ops (`benchmarks/bench_optim.py`)\n", _optim_table(optim)]
