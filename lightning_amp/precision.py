@@ -280,8 +280,10 @@ class AmpPrecision(Precision):
             super().backward(tensor, model, *args, **kwargs)
 
     def _recompute_context(self) -> contextlib.AbstractContextManager:
-        props = self._properties
-        return recompute_context(props.dtype if props.cast_model else None, self._half_params)
+        props, half_params = self._properties, self._half_params
+        if not amp_forward.has_shared_forward_state(props, half_params):
+            return contextlib.nullcontext()
+        return recompute_context(lambda: amp_forward.shared_forward_state(props, half_params))
 
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """Multiply the loss by the current loss scale (computed in fp32) before the backward hooks."""

@@ -49,21 +49,42 @@ def half_forward(dtype: torch.dtype, device_type: str, autocast: bool) -> Iterat
 
 
 @contextlib.contextmanager
+def shared_forward_state(props: AmpProperties, half_params: Optional[HalfParams] = None) -> Iterator[None]:
+    """The process-wide part of the level's forward: the half default dtype (O2, O3) and, under
+    master weights, the half copies and the input casts. It holds on every thread, so a forward that
+    activation checkpointing re-runs inside backward (on the device's autograd thread on CUDA) can be
+    given it again (:mod:`~lightning_amp.amp.recompute`); the thread-local rest (autocast) torch
+    restores there itself. Nothing for O0 and O1."""
+    if half_params is not None:
+        with half_params, default_dtype(props.dtype), \
+                half_inputs(half_params.module, props.dtype, props.keep_batchnorm_fp32):
+            yield
+    elif props.cast_model:
+        with default_dtype(props.dtype):
+            yield
+    else:
+        yield
+
+
+def has_shared_forward_state(props: AmpProperties, half_params: Optional[HalfParams] = None) -> bool:
+    """Whether :func:`shared_forward_state` does anything for this level."""
+    return half_params is not None or props.cast_model
+
+
+@contextlib.contextmanager
 def forward_context(props: AmpProperties, device_type: str, half_params: Optional[HalfParams] = None) -> Iterator[None]:
     """The forward context of the level ``props`` on a device of type ``device_type`` ("cpu", "cuda", ...).
 
     ``half_params``: under master weights, the model's fp32 params are seen as these half copies
     inside the block (:class:`~lightning_amp.amp.half_params.HalfParams`)."""
-    if half_params is not None:
-        with half_params, default_dtype(props.dtype), \
-                half_inputs(half_params.module, props.dtype, props.keep_batchnorm_fp32):
-            yield
-    elif props.autocast:
+    if half_params is None and props.autocast:
         with torch.autocast(device_type, dtype=props.dtype, cache_enabled=False):
             with cast_context(props.dtype, device_type):
                 yield
-    elif props.cast_model:
-        with half_forward(props.dtype, device_type, autocast=props.opt_level == "O2"):
+        return
+    with shared_forward_state(props, half_params):
+        if half_params is None and props.cast_model and props.opt_level == "O2":
+            with torch.autocast(device_type, dtype=props.dtype, cache_enabled=False):
+                yield
+        else:
             yield
-    else:
-        yield

@@ -18,7 +18,7 @@ place and the half ``dtype`` as torch's default dtype):
   inside forward as Hugging Face heads make them, get their half inputs cast to fp32 instead: the
   loss is computed in fp32 (``_Loss.__call__`` does it while the block is entered: no hook to register
   on a module that is not a submodule of ``root``);
-* modules left on fp32 Parameters under O2 (:func:`reads_fp32`: BatchNorm kept fp32, whose own hooks
+* modules left on fp32 Parameters under O2 (:func:`~lightning_amp.amp.half_params.reads_fp32`: BatchNorm kept fp32, whose own hooks
   hand it fp32 input; sparse-grad embeddings) and torchmetrics metrics with everything inside them
   (their states must not be rounded) are left alone;
 * a floating fp32/fp64 buffer registered inside the block (a table built on the first forward) is
@@ -31,7 +31,8 @@ module casts it back); a matmul of it with a half weight raises torch's dtype er
 Lightning's ``bf16-true``.
 
 Hooks: one forward pre-hook (with kwargs) per module (loss modules excepted), registered on the
-first entry and for modules added since (the module count changed); a module-level function, so
+first entry and again for modules added since (the walk reruns when
+:func:`~lightning_amp.amp.half_params.registration_count` moved); a module-level function, so
 pickling and deep copies follow the module. Outside the block it returns at once. Host cost: one
 Python call per module call. Like the default dtype, the loss-module cast is process-wide while
 entered.
@@ -45,10 +46,10 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
+from lightning_amp.amp.half_params import reads_fp32, registration_count
 from lightning_amp.amp.module_cast import _is_metric, modules_outside_metrics
 
 _WIDE = (torch.float32, torch.float64)
@@ -64,14 +65,6 @@ def saturate(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     ±``finfo(dtype).max``; NaN stays NaN."""
     info = torch.finfo(dtype)
     return tensor.clamp(info.min, info.max).to(dtype)
-
-
-def reads_fp32(module: nn.Module, keep_batchnorm_fp32: bool) -> bool:
-    """Whether O2 leaves ``module`` on its fp32 Parameters: BatchNorm when kept fp32, and embeddings
-    with sparse grads (autograd cannot cast a sparse grad back through a half copy)."""
-    if keep_batchnorm_fp32 and isinstance(module, _BatchNorm):
-        return True
-    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and bool(module.sparse)
 
 
 def _cast(value: Any, sources: Tuple[torch.dtype, ...], convert: Callable[[Tensor], Tensor]) -> Any:
@@ -125,7 +118,7 @@ def _fp32_loss_call(self: _Loss, *args: Any, **kwargs: Any) -> Any:
 
 
 def _hook_new_modules(root: nn.Module, keep_batchnorm_fp32: bool) -> None:
-    count = sum(1 for _ in root.modules())
+    count = registration_count()
     if _module_counts.get(root) == count:
         return
     for sub in modules_outside_metrics(root):  # a metric's own networks (FID's Inception, ...) stay as they are

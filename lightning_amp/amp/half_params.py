@@ -73,21 +73,34 @@ def prepare_o2_module_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp3
 
 class _Registrations:
     """Counts module and parameter registrations anywhere in the process (torch's global hooks,
-    installed on first use): a plan built at count ``n`` is current while the count is ``n``."""
+    installed on the first :func:`registration_count` call)."""
 
     count = 0
-    _installed = False
+    installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if not cls._installed:
-            register_module_module_registration_hook(cls._bump)
-            register_module_parameter_registration_hook(cls._bump)
-            cls._installed = True
-
-    @classmethod
-    def _bump(cls, *args: object) -> None:
+    def bump(cls, *args: object) -> None:
         cls.count += 1
+
+
+def registration_count() -> int:
+    """A number that changes whenever a module or parameter is registered on any module after the
+    first call (``register_module``/``register_parameter``, attribute assignment, ``ModuleList.append``):
+    a structure cached at count ``n`` is current while this returns ``n``. Deleting a submodule and
+    writing ``_parameters`` directly are not counted."""
+    if not _Registrations.installed:
+        register_module_module_registration_hook(_Registrations.bump)
+        register_module_parameter_registration_hook(_Registrations.bump)
+        _Registrations.installed = True
+    return _Registrations.count
+
+
+def reads_fp32(module: nn.Module, keep_batchnorm_fp32: bool) -> bool:
+    """Whether O2 leaves ``module`` on its fp32 Parameters: BatchNorm when kept fp32, and embeddings
+    with sparse grads (autograd cannot cast a sparse grad back through a half copy)."""
+    if keep_batchnorm_fp32 and isinstance(module, _BatchNorm):
+        return True
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and bool(module.sparse)
 
 
 class _Entry:
@@ -126,20 +139,12 @@ class HalfParams:
         self._installed: List[_Entry] = []
         self._hook: Optional[RemovableHandle] = None
         self._depth = 0
-        _Registrations.install()
-
-    def _reads_fp32(self, sub: nn.Module) -> bool:
-        """Modules forward leaves on their fp32 Parameters: BatchNorm when kept fp32, and embeddings
-        with sparse grads (autograd cannot cast a sparse grad back through the half copy)."""
-        if self.keep_batchnorm_fp32 and isinstance(sub, _BatchNorm):
-            return True
-        return isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and bool(sub.sparse)
 
     def _build_plan(self) -> None:
         entries: Dict[int, _Entry] = {}
         by_module: Dict[int, List[Tuple[str, _Entry]]] = {}
-        for sub in self.module.modules():
-            if self._reads_fp32(sub):
+        for sub in modules_outside_metrics(self.module):
+            if reads_fp32(sub, self.keep_batchnorm_fp32):
                 continue
             for name, param in sub._parameters.items():
                 if param is None:
@@ -150,7 +155,7 @@ class HalfParams:
                 entry.slots.append((sub._parameters, sub.__dict__, name))
                 by_module.setdefault(id(sub), []).append((name, entry))
         self._plan, self._by_module = list(entries.values()), by_module
-        self._built_at = _Registrations.count
+        self._built_at = registration_count()
 
     def __enter__(self) -> "HalfParams":
         self._depth += 1
@@ -171,7 +176,7 @@ class HalfParams:
             self._remove()
 
     def _install(self) -> None:
-        if self._built_at != _Registrations.count:
+        if self._built_at != registration_count():
             self._build_plan()
         try:
             self._install_plan()

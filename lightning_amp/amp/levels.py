@@ -65,7 +65,7 @@ class AmpProperties:
     cast_model: the model's floating buffers are cast to ``dtype`` in place, and its params too
     unless ``master_weights``; forward computes in ``dtype``.
     autocast: forward runs under ``torch.autocast(dtype)`` plus the registered cast lists (O1;
-    O2's forward also runs under autocast, see :mod:`lightning_amp.amp.forward`).
+    O2 casts module inputs instead, see :mod:`lightning_amp.amp.forward`).
     keep_batchnorm_fp32: BatchNorm layers stay fp32 when the model is cast.
     master_weights: with ``cast_model``, the params stay fp32 (what the optimizer steps, what
     checkpoints hold) and forward sees half copies of them (:mod:`lightning_amp.amp.half_params`).
