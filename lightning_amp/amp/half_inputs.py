@@ -106,6 +106,8 @@ def _cast_call(args: tuple, kwargs: dict, sources, convert) -> Optional[Tuple[tu
 def _inputs_to_half(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
     if not _active:
         return None
+    if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):  # the common call, without the walk
+        return None if args[0].dtype not in _WIDE else ((saturate(args[0], _active[-1]),), kwargs)
     return _cast_call(args, kwargs, _WIDE, partial(saturate, dtype=_active[-1]))
 
 
