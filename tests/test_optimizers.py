@@ -315,6 +315,63 @@ def test_lamb_matches_fp64_apex_reference(kw, path):
             assert _rel(p, e) < 2e-5
 
 
+def _lamb_run(pdtype, copies, reduce_norms, *, lr=1e-2, found_inf_at=None, n_steps=3):
+    """``ops.multi_tensor_lamb`` steps (loss scale 8 divided out) on fresh lists; returns every tensor written."""
+    gen = torch.Generator().manual_seed(31)
+    params = [torch.randn(s, generator=gen).to(pdtype) for s in SIZES]
+    exp_avgs, exp_avg_sqs = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros(()) for _ in params]
+    model_copies = [p.to(torch.bfloat16) for p in params] if copies else None
+    for step in range(n_steps):
+        grads = [torch.randn(s, generator=gen).to(torch.bfloat16 if copies else pdtype) * 8 for s in SIZES]
+        ops.multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=0.9, beta2=0.99, eps=1e-6,
+                              weight_decay=0.01, global_grad_norm=torch.tensor(3.0), max_grad_norm=1.0,
+                              grad_scale=torch.tensor(8.0), found_inf=torch.tensor(float(step == found_inf_at)),
+                              model_copies=model_copies, reduce_norms=reduce_norms)
+    return params + exp_avgs + exp_avg_sqs + steps + (model_copies or [])
+
+
+@pytest.mark.parametrize("pdtype,copies", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["fp32", "bf16", "fp32-masters-bf16-copies"])
+def test_lamb_two_passes_use_the_reduced_norms(pdtype, copies, path, monkeypatch):
+    """With ``reduce_norms`` (sharded params) LAMB runs in two passes around it, on the compiled kernels when
+    built: passed on unchanged, the squared norms give the one-call result bitwise; param norms summed over
+    "4 shards" of equal norm (x4 squared) give the one-call result at twice the lr (trust ratio x2); with
+    found_inf set nothing changes and the reduction still runs (every rank joins the all-reduce)."""
+    if path == "ext":
+        monkeypatch.setattr(ops, "_lamb_fallback", lambda *a, **k: pytest.fail("sharded LAMB left the kernels"))
+    calls = []
+
+    def unchanged(squares):
+        calls.append(squares.dtype)
+        return squares.clone()
+
+    one_call = _lamb_run(pdtype, copies, None)
+    for a, b in zip(one_call, _lamb_run(pdtype, copies, unchanged)):
+        assert torch.equal(a, b)
+    assert calls == [torch.float64 if path == "ext" else torch.float32] * 3
+    doubled = _lamb_run(pdtype, copies, None, lr=2e-2)
+    four_shards = _lamb_run(pdtype, copies, lambda sq: sq * torch.tensor([4.0, 1.0], dtype=sq.dtype))
+    for a, b in zip(doubled, four_shards):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(one_call, doubled))
+    calls.clear()
+    skipped_last = _lamb_run(pdtype, copies, unchanged, found_inf_at=2)
+    assert len(calls) == 3
+    for a, b in zip(skipped_last, _lamb_run(pdtype, copies, None, n_steps=2)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (lambda sq: sq.float() if sq.dtype == torch.float64 else sq.double(), TypeError, "reduce_norms must return"),
+    (lambda sq: sq[:-1], ValueError, "reduce_norms must return shape"),
+    (lambda sq: None, TypeError, "reduce_norms must return"),
+])
+def test_lamb_refuses_a_bad_reduce_norms_answer(bad, exc, match, path):
+    with pytest.raises(exc, match=match):
+        _lamb_run(torch.float32, False, bad)
+
+
 ALL = [
     lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
     lambda ps: FusedAdam(ps, lr=1e-2, master_weights=True),
