@@ -189,5 +189,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight_decay"), py::arg("bias_correction"), py::arg("grad_averaging"), py::arg("adam_w_mode"),
         py::arg("global_grad_norm"), py::arg("max_grad_norm"), py::arg("use_nvlamb"), py::arg("grad_scale"),
         py::arg("found_inf"));
+  m.def("multi_tensor_lamb_moments", &lamp::multi_tensor_lamb_moments,
+        "LAMB pass 1 (moments); returns the fp64 [n, 2] squared norms (param, update) of each tensor",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("bias_correction"),
+        py::arg("grad_averaging"), py::arg("adam_w_mode"), py::arg("global_grad_norm"), py::arg("max_grad_norm"),
+        py::arg("grad_scale"), py::arg("found_inf"));
+  m.def("multi_tensor_lamb_apply", &lamp::multi_tensor_lamb_apply,
+        "LAMB pass 2: apply the update with trust ratios from sq_norms (pass 1's, summed over shards)",
+        py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"), py::arg("model_copies"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("bias_correction"), py::arg("adam_w_mode"), py::arg("use_nvlamb"), py::arg("sq_norms"),
+        py::arg("found_inf"));
   // ==== END fused-optimizer bindings ====
 }

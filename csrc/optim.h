@@ -58,41 +58,29 @@ void multi_tensor_lamb(const TensorList& params, const TensorList& grads, const 
                        double lr, double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
                        bool grad_averaging, bool adam_w_mode, const at::Tensor& global_grad_norm,
                        double max_grad_norm, bool use_nvlamb, const OptTensor& grad_scale, const OptTensor& found_inf);
+// LAMB in two calls, for params whose norms are summed across ranks in between (sharded params):
+// multi_tensor_lamb_moments updates the moments and returns the fp64 [n, 2] squared norms
+// (||p||^2, ||update||^2) of each (local) tensor; multi_tensor_lamb_apply applies the update with
+// the trust ratios from `sq_norms` (the same tensor, summed over the shards) and advances the steps.
+// The pair equals one multi_tensor_lamb call when `sq_norms` is passed on unchanged.
+at::Tensor multi_tensor_lamb_moments(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                                     const TensorList& exp_avg_sqs, const TensorList& steps, double beta1,
+                                     double beta2, double eps, double weight_decay, bool bias_correction,
+                                     bool grad_averaging, bool adam_w_mode, const at::Tensor& global_grad_norm,
+                                     double max_grad_norm, const OptTensor& grad_scale, const OptTensor& found_inf);
+void multi_tensor_lamb_apply(const TensorList& params, const TensorList& exp_avgs, const TensorList& exp_avg_sqs,
+                             const TensorList& steps, const TensorList& model_copies, double lr, double beta1,
+                             double beta2, double eps, double weight_decay, bool bias_correction, bool adam_w_mode,
+                             bool use_nvlamb, const at::Tensor& sq_norms, const OptTensor& found_inf);
 
-// Device kernels. `max_exp_avg_sqs` / `momentum_buffers` / `model_copies` may be empty.
+// Device kernels (declared once, csrc/optim_kernels.h).
 namespace cpu {
-void fused_adam(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs, const TensorList& steps,
-                const TensorList& model_copies, const AdamHyper& h, const OptTensor& grad_scale,
-                const OptTensor& found_inf);
-void fused_sgd(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
-               const TensorList& model_copies, const SgdHyper& h, const OptTensor& grad_scale,
-               const OptTensor& found_inf);
-void fused_adadelta(const TensorList& params, const TensorList& grads, const TensorList& square_avgs,
-                    const TensorList& acc_deltas, const TensorList& steps, const TensorList& model_copies,
-                    const AdadeltaHyper& h, const OptTensor& grad_scale, const OptTensor& found_inf);
-void fused_lamb(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                const TensorList& exp_avg_sqs, const TensorList& steps, const TensorList& model_copies,
-                const LambHyper& h, const at::Tensor& global_grad_norm, const OptTensor& grad_scale,
-                const OptTensor& found_inf);
+#include "optim_kernels.h"
 }  // namespace cpu
 
 #ifdef WITH_CUDA
 namespace cuda {
-void fused_adam(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs, const TensorList& steps,
-                const TensorList& model_copies, const AdamHyper& h, const OptTensor& grad_scale,
-                const OptTensor& found_inf);
-void fused_sgd(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
-               const TensorList& model_copies, const SgdHyper& h, const OptTensor& grad_scale,
-               const OptTensor& found_inf);
-void fused_adadelta(const TensorList& params, const TensorList& grads, const TensorList& square_avgs,
-                    const TensorList& acc_deltas, const TensorList& steps, const TensorList& model_copies,
-                    const AdadeltaHyper& h, const OptTensor& grad_scale, const OptTensor& found_inf);
-void fused_lamb(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                const TensorList& exp_avg_sqs, const TensorList& steps, const TensorList& model_copies,
-                const LambHyper& h, const at::Tensor& global_grad_norm, const OptTensor& grad_scale,
-                const OptTensor& found_inf);
+#include "optim_kernels.h"
 }  // namespace cuda
 #endif
 

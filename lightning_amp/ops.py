@@ -686,6 +686,18 @@ def multi_tensor_adadelta(
                            found_inf, model_copies)
 
 
+def _reduced_norms(op: str, reduce_norms: Callable[[Tensor], Tensor], squares: Tensor) -> Tensor:
+    """``reduce_norms(squares)``, refused unless it is a tensor of ``squares``' shape, dtype and device."""
+    out = reduce_norms(squares)
+    if not isinstance(out, Tensor) or out.dtype != squares.dtype:
+        raise TypeError(f"{op}: reduce_norms must return a {squares.dtype} tensor (the summed squared norms), "
+                        f"got {getattr(out, 'dtype', type(out).__name__)}")
+    if out.shape != squares.shape or out.device != squares.device:
+        raise ValueError(f"{op}: reduce_norms must return shape {tuple(squares.shape)} on {squares.device}, "
+                         f"got {tuple(out.shape)} on {out.device}")
+    return out
+
+
 def _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
                    bias_correction, grad_averaging, adam_w_mode, global_grad_norm, max_grad_norm, use_nvlamb,
                    grad_scale, found_inf, model_copies, reduce_norms=None) -> None:
@@ -722,7 +734,7 @@ def _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2
         if trust_ratio and params:
             squares = torch.stack(squares)
             if reduce_norms is not None:
-                squares = reduce_norms(squares)
+                squares = _reduced_norms("multi_tensor_lamb", reduce_norms, squares)
             norms = squares.sqrt()
             trust = torch.where((norms[:, 0] != 0) & (norms[:, 1] != 0), norms[:, 0] / norms[:, 1], 1.0) * lr
         for i, (pf, update) in enumerate(updates):
@@ -766,9 +778,12 @@ def multi_tensor_lamb(
     ``||p|| / ||update||`` scales ``lr`` when ``weight_decay != 0`` or ``use_nvlamb``.
 
     ``reduce_norms`` (for sharded params: the tensors are local shards or DTensors): called with the
-    fp32 ``[len(params), 2]`` squared norms of each local param and update, it returns them summed
-    over the ranks that hold the other shards of each tensor (the trust ratio is that of the whole
-    tensor). Given, the pure-PyTorch passes run: the compiled kernels cannot pause between theirs.
+    ``[len(params), 2]`` squared norms of each local param and update (fp64 from the compiled
+    kernels, fp32 from the fallback), it returns them summed over the ranks that hold the other
+    shards of each tensor, same shape and dtype (the trust ratio is that of the whole tensor). The
+    compiled kernels then run as two calls (``multi_tensor_lamb_moments``, the reduction,
+    ``multi_tensor_lamb_apply``); with ``found_inf`` set both write nothing and the reduction still
+    runs, so every rank joins it.
     """
     params, grads, exp_avgs, exp_avg_sqs, model_copies = local_shards(params, grads, exp_avgs, exp_avg_sqs, model_copies)
     state = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
@@ -779,13 +794,27 @@ def multi_tensor_lamb(
         raise TypeError("multi_tensor_lamb: global_grad_norm is required")
     _check_scalar_tensor("multi_tensor_lamb", "global_grad_norm", global_grad_norm, params[0].device)
     ext = _ext_for(params[0].device)
-    if ext is not None and hasattr(ext, "multi_tensor_lamb") and (reduce_norms is None or not (weight_decay or use_nvlamb)):
+    copies = list(model_copies) if model_copies is not None else []
+    if reduce_norms is not None and not (weight_decay or use_nvlamb):
+        reduce_norms = None  # no trust ratio: the norms are not needed
+    if ext is not None and hasattr(ext, "multi_tensor_lamb") and reduce_norms is None:
         ext.multi_tensor_lamb(
-            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
-            list(model_copies) if model_copies is not None else [],
+            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), copies,
             float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction),
             bool(grad_averaging), bool(adam_w_mode), global_grad_norm, float(max_grad_norm), bool(use_nvlamb),
             grad_scale, found_inf,
+        )
+    elif ext is not None and hasattr(ext, "multi_tensor_lamb_apply"):
+        squares = ext.multi_tensor_lamb_moments(
+            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), float(beta1), float(beta2),
+            float(eps), float(weight_decay), bool(bias_correction), bool(grad_averaging), bool(adam_w_mode),
+            global_grad_norm, float(max_grad_norm), grad_scale, found_inf,
+        )
+        squares = _reduced_norms("multi_tensor_lamb", reduce_norms, squares)
+        ext.multi_tensor_lamb_apply(
+            list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), copies, float(lr), float(beta1),
+            float(beta2), float(eps), float(weight_decay), bool(bias_correction), bool(adam_w_mode), bool(use_nvlamb),
+            squares, found_inf,
         )
     else:
         _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,

@@ -33,6 +33,19 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def _key_bias_apart(a: dict, b: dict) -> tuple:
+    """Largest |a - b| over the attention key biases (the middle third of each ``qkv.bias``), and over the rest."""
+    key_bias, rest = 0.0, 0.0
+    for k in a:
+        diff = (a[k] - b[k]).abs()
+        if k.endswith("qkv.bias"):
+            query, key, value = diff.chunk(3)
+            key_bias = max(key_bias, key.max().item())
+            diff = torch.cat([query, value])
+        rest = max(rest, diff.max().item())
+    return key_bias, rest
+
+
 def test_levels_train_like_fabric_precisions():
     """After 4 steps (2 micro-batches each, clipping, AdamW) every level is as close to Fabric's fp32 run
     as the Fabric precision of the same dtype: O0 ~ 32-true, O1/O2 ~ bf16-mixed, O3 ~ bf16-true."""
@@ -40,9 +53,15 @@ def test_levels_train_like_fabric_precisions():
     ref = runs["32-true"]
     err = {p: _max_diff(w, ref) for p, w in runs.items()}
     print(err)
-    # O0 steps AdamW in lightning-amp's fused kernel: 1 ulp apart from torch's after one step, which Adam's
-    # sign-like first steps grow to <1e-4 by step 4 (fused_update=False: bitwise 32-true); bf16 is ~100x that
-    assert err["O0"] < 0.02 * err["bf16-mixed"], err
+    # O0 steps AdamW in lightning-amp's fused kernel (fused_update=False: bitwise 32-true), 1-2 ulp from torch's
+    # AdamW per step (on fixed grads it meets the same fp64 rounding budget as torch's, test_optimizers.py).
+    # The runs part by 6e-5 after 4 steps only in the attention key biases: their exact gradient is 0 (softmax
+    # ignores a constant added to a row of logits), the computed one is rounding noise (~1e-11, random sign)
+    # that Adam divides by ~eps = 1e-8 into moves of ~lr/100, so weights 1 ulp apart give other noise and other
+    # moves. torch's own AdamW(fused=True) lands 9.7e-5 from its default AdamW there; elsewhere O0 is 2.4e-7
+    # (1-2 ulp) from 32-true. bf16 is ~100x the key-bias noise.
+    key_bias, rest = _key_bias_apart(runs["O0"], ref)
+    assert rest < 1e-6 and key_bias < 0.02 * err["bf16-mixed"], (rest, key_bias, err)
     assert err["bf16-mixed"] > 1e-4 and err["bf16-true"] > err["bf16-mixed"], err  # the bf16 effect is visible
     assert err["O1"] <= 2 * err["bf16-mixed"], err
     assert err["O2"] <= 2 * err["bf16-mixed"], err

@@ -63,6 +63,19 @@ OPS = {
                                          adam_w_mode=True, global_grad_norm=_z(d) + 1.0, max_grad_norm=1.0,
                                          use_nvlamb=False, grad_scale=None, found_inf=None),
                           "grads", "params", ("params", "grads", "exp_avgs", "exp_avg_sqs", "steps")),
+    "multi_tensor_lamb_moments": (lambda d: dict(params=_pair(d), grads=_pair(d), exp_avgs=_pair(d),
+                                                 exp_avg_sqs=_pair(d), steps=[_z(d), _z(d)], beta1=0.9, beta2=0.999,
+                                                 eps=1e-6, weight_decay=0.01, bias_correction=True,
+                                                 grad_averaging=True, adam_w_mode=True,
+                                                 global_grad_norm=_z(d) + 1.0, max_grad_norm=1.0, grad_scale=None,
+                                                 found_inf=None),
+                                  "grads", "exp_avgs", ("params", "grads", "exp_avgs", "exp_avg_sqs", "steps")),
+    "multi_tensor_lamb_apply": (lambda d: dict(params=_pair(d), exp_avgs=_pair(d), exp_avg_sqs=_pair(d),
+                                               steps=[_z(d), _z(d)], model_copies=[], lr=1e-3, beta1=0.9, beta2=0.999,
+                                               eps=1e-6, weight_decay=0.01, bias_correction=True, adam_w_mode=True,
+                                               use_nvlamb=False,
+                                               sq_norms=torch.rand(2, 2, dtype=torch.float64).to(d), found_inf=None),
+                                "params", "exp_avg_sqs", ("params", "exp_avgs", "exp_avg_sqs", "steps")),
 }
 
 
@@ -165,3 +178,22 @@ def test_device_without_kernels_raises(name, device):
     _all_to(args, device)
     with pytest.raises(ValueError, match=rf"is on {device}(:\d+)?, but this build has kernels for"):
         _call(name, args)
+
+
+SQ_NORMS_CASES = {
+    "dtype": (lambda t: t.float(), TypeError, r"sq_norms must be Double, got Float"),
+    "shape": (lambda t: t[:1], ValueError, r"sq_norms must have shape \[len\(params\), 2\] = \[2, 2\]"),
+    "flat": (lambda t: t.reshape(-1), ValueError, r"sq_norms must have shape"),
+    "device": (lambda t: t.to("meta"), ValueError, r"sq_norms is on meta but the params are on cpu"),
+    "sparse": (lambda t: t.to_sparse(), TypeError, r"sq_norms must be a dense \(strided\) tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(SQ_NORMS_CASES))
+def test_lamb_apply_checks_sq_norms(case):
+    """The squared norms handed to LAMB's second pass (after the all-reduce across shards) are checked too."""
+    breaker, exc, pattern = SQ_NORMS_CASES[case]
+    args = OPS["multi_tensor_lamb_apply"][0]("cpu")
+    args["sq_norms"] = breaker(args["sq_norms"])
+    with pytest.raises(exc, match=pattern):
+        _call("multi_tensor_lamb_apply", args)

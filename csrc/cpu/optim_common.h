@@ -1,6 +1,6 @@
 // Helpers shared by the CPU fused-optimizer kernels (csrc/cpu/optim_*.cpp): partial-vector
-// load/store for chunk tails, the (param, grad, model-copy) dtype dispatch, and the
-// found_inf / grad_scale / step-counter conventions of csrc/optim.h.
+// load/store for chunk tails and the found_inf / grad_scale / step-counter conventions of
+// csrc/optim.h (the (param, grad, model-copy) dtype dispatch is csrc/dispatch.h's).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -36,29 +36,6 @@ inline void store_n(T* p, const VecF& v, int64_t k) {
   float buf[W];
   v.store(buf);
   for (int64_t j = 0; j < k; ++j) p[j] = static_cast<T>(buf[j]);
-}
-
-template <typename F>
-inline void dispatch_half(at::ScalarType dtype, const char* op, F&& f) {
-  if (dtype == at::kHalf) return f(c10::Half{});
-  if (dtype == at::kBFloat16) return f(c10::BFloat16{});
-  TORCH_CHECK_TYPE(false, op, ": model copies must be float16 or bfloat16, got ", dtype);
-}
-
-// Calls f(P{}, G{}, M{}, std::bool_constant<copy>{}): P param/state type, G grad type, M the
-// model-copy type (== P and unused when there are no copies; params are fp32 otherwise).
-template <typename F>
-inline void dispatch_types(const TensorList& params, const TensorList& grads, const TensorList& copies, const char* op,
-                           F&& f) {
-  if (!copies.empty()) {
-    dispatch_float_like(grads[0].scalar_type(), op, [&](auto g) {
-      dispatch_half(copies[0].scalar_type(), op, [&](auto m) { f(float{}, g, m, std::true_type{}); });
-    });
-  } else {
-    dispatch_float_like(params[0].scalar_type(), op, [&](auto p) {
-      dispatch_float_like(grads[0].scalar_type(), op, [&](auto g) { f(p, g, p, std::false_type{}); });
-    });
-  }
 }
 
 inline bool skip_step(const OptTensor& found_inf) {

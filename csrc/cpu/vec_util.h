@@ -1,7 +1,7 @@
 // Small helpers over ATen's at::vec::Vectorized for the CPU kernels: load any of
 // float/Half/BFloat16 as a Vectorized<float> of fp32 lanes, store fp32 lanes back rounded to
-// the storage type (round-to-nearest-even, as torch's casts), and dispatch on a tensor's
-// float-like dtype. One fp32 vector holds VecF::size() elements of any storage type.
+// the storage type (round-to-nearest-even, as torch's casts). One fp32 vector holds VecF::size()
+// elements of any storage type. The dtype dispatch is csrc/dispatch.h's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +9,8 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <type_traits>
+
+#include "dispatch.h"  // dispatch_float_like
 
 namespace lamp {
 namespace cpu {
@@ -32,24 +34,6 @@ inline void store_f32(T* p, const VecF& v) {
     v.store(p);
   } else {
     at::vec::convert_from_float<T>(v, v).store(p, VecF::size());
-  }
-}
-
-// Calls f(T{}) with T the C++ storage type of `dtype` (float, c10::Half or c10::BFloat16).
-template <typename F>
-inline void dispatch_float_like(at::ScalarType dtype, const char* op, F&& f) {
-  switch (dtype) {
-    case at::kFloat:
-      f(float{});
-      break;
-    case at::kHalf:
-      f(c10::Half{});
-      break;
-    case at::kBFloat16:
-      f(c10::BFloat16{});
-      break;
-    default:
-      TORCH_CHECK_TYPE(false, op, ": unsupported dtype ", dtype, " (float32, float16 or bfloat16 expected)");
   }
 }
 

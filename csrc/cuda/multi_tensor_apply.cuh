@@ -22,6 +22,8 @@
 #include <limits>
 #include <vector>
 
+#include "dispatch.h"  // dispatch_float_like
+
 namespace lamp {
 namespace cuda {
 
@@ -116,24 +118,6 @@ void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, const
     }
   }
   if (blocks > 0) launch();
-}
-
-// Calls f(T{}) with T the CUDA-side storage type of dtype (float, c10::Half, c10::BFloat16).
-template <typename F>
-inline void dispatch_float_like(at::ScalarType dtype, const char* op, F&& f) {
-  switch (dtype) {
-    case at::kFloat:
-      f(float{});
-      break;
-    case at::kHalf:
-      f(c10::Half{});
-      break;
-    case at::kBFloat16:
-      f(c10::BFloat16{});
-      break;
-    default:
-      TORCH_CHECK_TYPE(false, op, ": unsupported dtype ", dtype, " (float32, float16 or bfloat16 expected)");
-  }
 }
 
 }  // namespace cuda

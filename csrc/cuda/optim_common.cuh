@@ -1,6 +1,6 @@
 // Helpers shared by the CUDA fused-optimizer kernels (csrc/cuda/optim_*.cu), on top of the
-// compiled core's multi_tensor_apply.cuh: the (param, grad, model-copy) dtype dispatch, the
-// per-tensor step values, and the found_inf-guarded step increment. See csrc/optim.h for the
+// compiled core's multi_tensor_apply.cuh (and csrc/dispatch.h's dtype dispatch): the per-tensor
+// step values and the found_inf-guarded step increment. See csrc/optim.h for the
 // semantics (fp32 math; grads divided by *grad_scale; *found_inf != 0 => nothing written).
 #pragma once
 
@@ -28,28 +28,6 @@ __device__ __forceinline__ T from_f32(float x) {
 __device__ __forceinline__ bool skip_step(const float* found_inf) { return found_inf != nullptr && *found_inf != 0.f; }
 
 __device__ __forceinline__ float scale_of(const float* grad_scale) { return grad_scale != nullptr ? *grad_scale : 1.f; }
-
-template <typename F>
-inline void dispatch_half(at::ScalarType dtype, const char* op, F&& f) {
-  if (dtype == at::kHalf) return f(c10::Half{});
-  if (dtype == at::kBFloat16) return f(c10::BFloat16{});
-  TORCH_CHECK_TYPE(false, op, ": model copies must be float16 or bfloat16, got ", dtype);
-}
-
-// Calls f(P{}, G{}, M{}, std::bool_constant<copy>{}) as csrc/cpu/optim_common.h does.
-template <typename F>
-inline void dispatch_types(const TensorList& params, const TensorList& grads, const TensorList& copies, const char* op,
-                           F&& f) {
-  if (!copies.empty()) {
-    dispatch_float_like(grads[0].scalar_type(), op, [&](auto g) {
-      dispatch_half(copies[0].scalar_type(), op, [&](auto m) { f(float{}, g, m, std::true_type{}); });
-    });
-  } else {
-    dispatch_float_like(params[0].scalar_type(), op, [&](auto p) {
-      dispatch_float_like(grads[0].scalar_type(), op, [&](auto g) { f(p, g, p, std::false_type{}); });
-    });
-  }
-}
 
 // Per-tensor current step values gathered into one fp32 device vector (index = aux[t]).
 inline at::Tensor step_values(const TensorList& steps) { return at::stack(steps).reshape({-1}).contiguous(); }

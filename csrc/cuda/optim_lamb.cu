@@ -1,8 +1,11 @@
 // CUDA fused LAMB with apex FusedLAMB semantics, two multi-tensor-apply launches:
-//   1. clip/unscale the grads, update the moments, and accumulate ||p||^2 and ||update||^2
-//      per tensor (block reduction + one fp64 atomicAdd per block; grads are left untouched);
-//   2. recompute the update from the stored moments and the unchanged params and apply it
-//      with the per-tensor trust ratio.
+//   1. lamb_moments: clip/unscale the grads, update the moments, and accumulate ||p||^2 and
+//      ||update||^2 per tensor into an fp64 [n, 2] tensor (block reduction + one fp64 atomicAdd
+//      per block; grads are left untouched);
+//   2. lamb_apply: recompute the update from the stored moments and the unchanged params and
+//      apply it with the per-tensor trust ratio from those squared norms; advance the steps.
+// fused_lamb runs both back to back; sharded params (FSDP2) call them apart and sum the squared
+// norms of the local shards over the shard group in between.
 // fp32 math, 64-bit offsets; no host synchronisation (found_inf and the norms stay on device).
 #include <ATen/ATen.h>
 
@@ -127,30 +130,46 @@ struct LambStage2 {
   }
 };
 
+LambArgs lamb_args(const LambHyper& h) {
+  const bool has_wd = h.weight_decay != 0.0;
+  return LambArgs{float(h.lr), float(h.beta1), float(h.beta2), float(1.0 - h.beta2),
+                  float(h.grad_averaging ? 1.0 - h.beta1 : 1.0), float(h.eps), float(h.weight_decay),
+                  float(h.max_grad_norm), h.bias_correction, h.adam_w_mode && has_wd, !h.adam_w_mode && has_wd,
+                  has_wd || h.use_nvlamb};
+}
+
 }  // namespace
 
-void fused_lamb(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                const TensorList& exp_avg_sqs, const TensorList& steps, const TensorList& model_copies,
-                const LambHyper& h, const at::Tensor& global_grad_norm, const OptTensor& grad_scale,
-                const OptTensor& found_inf) {
-  const bool has_wd = h.weight_decay != 0.0;
-  const LambArgs args{float(h.lr), float(h.beta1), float(h.beta2), float(1.0 - h.beta2),
-                      float(h.grad_averaging ? 1.0 - h.beta1 : 1.0), float(h.eps), float(h.weight_decay),
-                      float(h.max_grad_norm), h.bias_correction, h.adam_w_mode && has_wd, !h.adam_w_mode && has_wd,
-                      has_wd || h.use_nvlamb};
+at::Tensor lamb_moments(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                        const TensorList& exp_avg_sqs, const TensorList& steps, const LambHyper& h,
+                        const at::Tensor& global_grad_norm, const OptTensor& grad_scale, const OptTensor& found_inf) {
+  const LambArgs args = lamb_args(h);
   const at::Tensor step_vals = step_values(steps);
-  const at::Tensor norms = at::zeros({static_cast<int64_t>(2 * params.size())},
-                                     params[0].options().dtype(at::kDouble));
+  const at::Tensor sq_norms = at::zeros({static_cast<int64_t>(params.size()), 2},
+                                        params[0].options().dtype(at::kDouble));
   const at::Tensor gnorm = global_grad_norm.reshape({}).contiguous();
   const std::vector<int64_t> aux = positions(params.size());
-  dispatch_types(params, grads, model_copies, "multi_tensor_lamb", [&](auto p_tag, auto g_tag, auto m_tag, auto copy) {
+  dispatch_types(params, grads, {}, "multi_tensor_lamb", [&](auto p_tag, auto g_tag, auto, auto) {
     using P = decltype(p_tag);
     using G = decltype(g_tag);
+    multi_tensor_apply<4>({params, grads, exp_avgs, exp_avg_sqs}, aux, LambStage1<P, G>{}, args,
+                          step_vals.data_ptr<float>(), gnorm.data_ptr<float>(), sq_norms.data_ptr<double>(),
+                          ptr_or_null(grad_scale), ptr_or_null(found_inf));
+  });
+  return sq_norms;
+}
+
+void lamb_apply(const TensorList& params, const TensorList& exp_avgs, const TensorList& exp_avg_sqs,
+                const TensorList& steps, const TensorList& model_copies, const LambHyper& h,
+                const at::Tensor& sq_norms, const OptTensor& found_inf) {
+  const LambArgs args = lamb_args(h);
+  const at::Tensor step_vals = step_values(steps);
+  const at::Tensor norms = sq_norms.contiguous();
+  const std::vector<int64_t> aux = positions(params.size());
+  dispatch_param_copy(params, model_copies, "multi_tensor_lamb", [&](auto p_tag, auto m_tag, auto copy) {
+    using P = decltype(p_tag);
     using M = decltype(m_tag);
     constexpr bool kCopy = decltype(copy)::value;
-    multi_tensor_apply<4>({params, grads, exp_avgs, exp_avg_sqs}, aux, LambStage1<P, G>{}, args,
-                          step_vals.data_ptr<float>(), gnorm.data_ptr<float>(), norms.data_ptr<double>(),
-                          ptr_or_null(grad_scale), ptr_or_null(found_inf));
     std::vector<std::vector<at::Tensor>> lists = {params, exp_avgs, exp_avg_sqs};
     if (kCopy) lists.push_back(model_copies);
     multi_tensor_apply<LambStage2<P, M, kCopy>::Depth>(lists, aux, LambStage2<P, M, kCopy>{}, args,
@@ -158,6 +177,15 @@ void fused_lamb(const TensorList& params, const TensorList& grads, const TensorL
                                                         ptr_or_null(found_inf));
   });
   advance_steps(steps, found_inf);
+}
+
+void fused_lamb(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                const TensorList& exp_avg_sqs, const TensorList& steps, const TensorList& model_copies,
+                const LambHyper& h, const at::Tensor& global_grad_norm, const OptTensor& grad_scale,
+                const OptTensor& found_inf) {
+  const at::Tensor sq_norms = lamb_moments(params, grads, exp_avgs, exp_avg_sqs, steps, h, global_grad_norm,
+                                           grad_scale, found_inf);
+  lamb_apply(params, exp_avgs, exp_avg_sqs, steps, model_copies, h, sq_norms, found_inf);
 }
 
 }  // namespace cuda
