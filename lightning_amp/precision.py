@@ -52,6 +52,7 @@ from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.amp.step import OptimizerStep
+from lightning_amp.unsupported import refuse_strategy
 
 _STATE_VERSION = 1
 
@@ -200,6 +201,7 @@ class AmpPrecision(Precision):
             )
         self._use_device_type(trainer.strategy.root_device.type)
         _refuse_masters_under_fsdp2(self._properties, trainer.strategy)
+        refuse_strategy(self, trainer.strategy)
         self._convert_module(module)
         return module
 
