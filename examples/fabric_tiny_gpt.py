@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_amp.fabric import AmpPrecision
+from lightning_amp.fabric import AmpPrecision, TensorParallelStrategy
 
 
 class Attention(nn.Module):
@@ -83,10 +83,12 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def make_fabric(precision: str, devices: int, strategy: str = "") -> L.Fabric:
+def make_fabric(precision: str, devices: int, strategy: str = "", tp: int = 0) -> L.Fabric:
     """Fabric on CPU; a lightning-amp level becomes the plugin, anything else is Fabric's ``precision``.
-    ``strategy``: a Fabric strategy name ("tp_fused": lightning-amp's tensor parallel); default "ddp" at
-    several devices."""
+    ``strategy``: a Fabric strategy name ("tp_fused": lightning-amp's tensor parallel, ``tp`` ranks per
+    tensor-parallel group, default all); default "ddp" at several devices."""
+    if strategy == "tp_fused" and tp:
+        strategy = TensorParallelStrategy(tensor_parallel_size=tp)
     kwargs = dict(accelerator="cpu", devices=devices, strategy=strategy or ("ddp" if devices > 1 else "auto"))
     if precision in ("O0", "O1", "O2", "O3"):
         return L.Fabric(plugins=[AmpPrecision(opt_level=precision)], **kwargs)
@@ -150,6 +152,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="global micro-batch size (all ranks)")
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tp", type=int, default=0, help="tp_fused: ranks per tensor-parallel group (default: all)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--clip", type=float, default=1.0)
@@ -164,7 +167,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(argv)
-    fabric = make_fabric(args.precision, args.devices, args.strategy)
+    fabric = make_fabric(args.precision, args.devices, args.strategy, args.tp)
     fabric.launch()
     result = train(fabric, args)
     if args.out:
