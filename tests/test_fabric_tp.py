@@ -117,3 +117,83 @@ def test_tp2_matches_one_process_resumes_exactly_and_moves_checkpoints(tmp_path)
             moved = (levels[lv]["weights"][key] - start).abs().max().item()
             err = (rank0["weights"][key] - levels[lv]["weights"][key]).abs().max().item()
             assert err < (0.1 if lv == "O3" else 0.05) * moved, (lv, key, err, moved)
+
+
+# ---- refusals (one process, no launch) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(precision="64-true"), r"DoublePrecision\(precision='64-true'\)"),
+    (dict(plugins=[AmpO2Plugin()]), r"AmpO2Plugin\(precision='bf16-mixed'\)"),
+])
+def test_tp_fused_refuses_other_precision_plugins_when_fabric_is_built(kwargs, named):
+    with pytest.raises(TypeError, match=rf"strategy='tp_fused'.*{named}.*Use Fabric's precision='32-true'.*AmpPrecision"):
+        L.Fabric(accelerator="cpu", devices=1, strategy="tp_fused", **kwargs)
+    for ok in (dict(precision="bf16-true"), dict(precision="bf16-mixed"), dict(plugins=[AmpO2Precision()])):
+        assert isinstance(L.Fabric(accelerator="cpu", devices=1, strategy="tp_fused", **ok).strategy, TensorParallelStrategy)
+
+
+def test_tp_fused_rejects_bad_arguments_by_name():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 'auto' or a positive int"):
+        TensorParallelStrategy(tensor_parallel_size=0)
+    with pytest.raises(TypeError, match="sequence_parallel must be a bool"):
+        TensorParallelStrategy(sequence_parallel="yes")
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the world size 2"):
+        L.Fabric(accelerator="cpu", devices=2, strategy=TensorParallelStrategy(tensor_parallel_size=3))
+
+
+class _FabricDeepSpeed(FabricDeepSpeedStrategy):
+    """Lightning's Fabric DeepSpeedStrategy class without deepspeed installed: construction and environment as
+    DDP's (one process, no process group), so that Fabric reaches the precision plugin."""
+
+    def __init__(self) -> None:
+        FabricDDPStrategy.__init__(self)
+
+    def setup_environment(self) -> None:
+        pass
+
+
+class _TrainerDeepSpeed(TrainerDeepSpeedStrategy):
+    """The same for the Trainer's DeepSpeedStrategy: Lightning calls the plugin's convert_module first in setup."""
+
+    def __init__(self) -> None:
+        TrainerDDPStrategy.__init__(self)
+
+    def setup_environment(self) -> None:
+        self.accelerator.setup_device(self.root_device)
+
+    def _init_config_if_needed(self) -> None:
+        pass
+
+
+def test_deepspeed_with_our_fabric_plugin_is_refused_before_anything_is_cast():
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=_FabricDeepSpeed(), plugins=[AmpO2Precision()])
+    fabric.launch()
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=r"AmpO2Precision\(opt_level='O2'.*cannot run under DeepSpeed \(_FabricDeepSpeed\).*"
+                                        r"strategy='deepspeed', precision='bf16-mixed'"):
+        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert fabric.strategy.precision._half_params is None and model.weight.dtype == torch.float32
+
+
+def test_deepspeed_with_our_trainer_plugin_is_refused_before_anything_is_cast():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=_TrainerDeepSpeed(), plugins=[AmpO2Plugin()],
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    model = BoringModel()
+    with pytest.raises(TypeError, match=r"AmpO2Plugin\(opt_level='O2'.*cannot run under DeepSpeed \(_TrainerDeepSpeed\).*"
+                                        r"'tp_fused' or ModelParallelStrategy"):
+        trainer.fit(model)
+    assert trainer.precision_plugin._half_params is None and model.layer.weight.dtype == torch.float32
+
+
+def test_fabric_tp_fused_refuses_a_second_model_and_an_optimizer_over_renamed_params():
+    """One model per Fabric; nn.MultiheadAttention's in_proj_weight becomes q/k/v projections, so an optimizer
+    built before setup cannot be rebound: both say what to do instead."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="tp_fused")
+    fabric.launch()
+    mha = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2, batch_first=True))
+    with pytest.raises(ValueError, match=r"holds '0\.in_proj_weight'.*fabric\.setup_module\(model\)"):
+        fabric.setup(mha, torch.optim.SGD(mha.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="one model per Fabric"):
+        fabric.setup(torch.nn.Linear(4, 4))
