@@ -28,7 +28,6 @@ TypeError when the Fabric is built.
 """
 from __future__ import annotations
 
-import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Dict, List, Mapping, Optional, Union
 
@@ -111,13 +110,10 @@ class TensorParallelStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // self.tensor_parallel_size}
+        return self.runtime.sampler_kwargs(self.num_nodes, self.num_processes, self.global_rank)
 
     def _configure_launcher(self) -> None:
-        self.runtime.validate_sizes(self.num_nodes, self.num_processes)
-        if self.root_device.type == "cuda":
-            # the async dgrad all-reduce only overlaps the wgrad GEMM with one hardware queue
-            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        self.runtime.prepare_launch(self.num_nodes, self.num_processes, self.root_device.type)
         super()._configure_launcher()
 
     def setup_environment(self) -> None:

@@ -18,6 +18,7 @@ gathered to full size), so they load at any TP size and into the unconverted mod
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Generator, Iterable, Mapping, Optional, Union
 
@@ -83,6 +84,18 @@ class TensorParallelRuntime:
     def validate_sizes(self, num_nodes: int, devices_per_node: int) -> None:
         """ValueError unless TP divides the devices per node (and so the world size)."""
         validate_sizes(num_nodes * devices_per_node, self.tensor_parallel_size(devices_per_node), devices_per_node=devices_per_node)
+
+    def prepare_launch(self, num_nodes: int, devices_per_node: int, device_type: str) -> None:
+        """Validate the sizes; on CUDA set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (inherited by every rank) so that
+        the asynchronous input-gradient all-reduce is queued before the weight-gradient GEMM and overlaps it."""
+        self.validate_sizes(num_nodes, devices_per_node)
+        if device_type == "cuda":
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+
+    def sampler_kwargs(self, num_nodes: int, devices_per_node: int, global_rank: int) -> dict[str, int]:
+        """The data split over the DP ranks only (the ranks of a TP group see the same batches)."""
+        tp = self.tensor_parallel_size(devices_per_node)
+        return {"num_replicas": num_nodes * devices_per_node // tp, "rank": global_rank // tp}
 
     def build_groups(self, devices_per_node: int) -> ParallelGroups:
         """The TP and DP groups (collective over the default group; built once: converted layers keep them)."""

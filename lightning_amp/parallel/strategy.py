@@ -8,16 +8,16 @@ strategy (1) broadcasts rank 0's weights, (2) converts the module in place with
 buffer (:class:`~lightning_amp.parallel.main_grad.MainGradBuffer`) whose DP all-reduce replaces
 torch's DDP wrapper. Before the optimizer step ``p.grad`` points at ``main_grad``; after it the
 buffer is zeroed. Checkpoints hold the gathered full weights in the original key layout.
-This is the only file of ``lightning_amp.parallel`` that imports Lightning.
+The machinery is :class:`~lightning_amp.parallel.runtime.TensorParallelRuntime`, shared with the Fabric
+strategy (:mod:`lightning_amp.fabric.strategy`); this file maps the Trainer's hooks onto it and is the
+only file of ``lightning_amp.parallel`` that imports Lightning.
 """
 from __future__ import annotations
 
 import atexit
-import os
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Mapping, Optional, Union
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -95,10 +95,7 @@ class TensorParallelStrategy(DDPStrategy):
         return (self.num_nodes * self.num_processes) // self.tensor_parallel_size
 
     def _configure_launcher(self) -> None:
-        self.runtime.validate_sizes(self.num_nodes, self.num_processes)
-        if self.root_device.type == "cuda":
-            # the async dgrad all-reduce only overlaps the wgrad GEMM with one hardware queue
-            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        self.runtime.prepare_launch(self.num_nodes, self.num_processes, self.root_device.type)
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _GatheringMultiProcessingLauncher(self, start_method=self._start_method)
@@ -111,8 +108,7 @@ class TensorParallelStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        tp = self.tensor_parallel_size
-        return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // tp}
+        return self.runtime.sampler_kwargs(self.num_nodes, self.num_processes, self.global_rank)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: "Any") -> None:
