@@ -22,3 +22,16 @@ def refuse_strategy(plugin: Any, strategy: Any) -> None:
             "(strategy='deepspeed', precision='bf16-mixed' or '16-mixed'), or keep lightning-amp with strategy='ddp', "
             "'tp_fused' or ModelParallelStrategy (FSDP2)."
         )
+
+
+def refuse_precision_under_tp_fused(precision: Any, plain: type, supported: tuple, use: str) -> None:
+    """TypeError unless ``precision`` is exactly ``plain`` (fp32) or one of ``supported``: tp_fused converts the
+    model's Linear layers and accumulates their grads in an fp32 ``main_grad`` (no fp64, no layer swaps of its
+    own, no sharding strategy's plugin). ``use`` names what to use instead."""
+    if precision is None or type(precision) is plain or isinstance(precision, supported):
+        return
+    raise TypeError(
+        f"strategy='tp_fused' does not work with the precision plugin {type(precision).__name__}"
+        f"(precision={getattr(precision, 'precision', '?')!r}): it converts the model's Linear layers and accumulates "
+        f"their grads in fp32. Use {use}."
+    )

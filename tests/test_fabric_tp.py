@@ -135,6 +135,13 @@ def test_tp_fused_refuses_other_precision_plugins_when_fabric_is_built(kwargs, n
         assert isinstance(L.Fabric(accelerator="cpu", devices=1, strategy="tp_fused", **ok).strategy, TensorParallelStrategy)
 
 
+def test_trainer_tp_fused_refuses_other_precision_plugins_when_the_trainer_is_built():
+    with pytest.raises(TypeError, match=r"strategy='tp_fused'.*DoublePrecision\(precision='64-true'\).*a lightning-amp plugin"):
+        L.Trainer(accelerator="cpu", devices=1, strategy="tp_fused", precision="64-true", logger=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="tp_fused", plugins=[AmpO2Plugin()], logger=False)
+    assert isinstance(trainer.precision_plugin, AmpO2Plugin)
+
+
 def test_tp_fused_rejects_bad_arguments_by_name():
     with pytest.raises(ValueError, match="tensor_parallel_size must be 'auto' or a positive int"):
         TensorParallelStrategy(tensor_parallel_size=0)

@@ -17,6 +17,9 @@ Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
 * Checkpoints: the module's ``state_dict()`` holds its fp32 params, and the optimizer's
   ``state_dict()`` carries its loss scaler (``param_groups[0]["lightning_amp"]``), so
   ``fabric.save(path, {"model": model, "optimizer": optimizer})`` / ``fabric.load`` resume exactly.
+* Strategies: under ``strategy="tp_fused"`` (:mod:`lightning_amp.fabric.strategy`) the strategy casts the
+  model after converting its layers; under DeepSpeed, ``fabric.setup`` raises TypeError before anything
+  is cast (:mod:`lightning_amp.unsupported`).
 * LR schedulers: Fabric does not see them; call :func:`~lightning_amp.amp.gate.make_scheduler_skip_aware`
   on a per-step scheduler so that it does not advance on skipped steps.
 """

@@ -42,8 +42,10 @@ from torch.optim import Optimizer
 from lightning_amp.fabric.precision import AmpPrecision
 from lightning_amp.parallel.runtime import TensorParallelRuntime
 from lightning_amp.parallel.strategy import _conversion_report, destroy_group_at_exit
+from lightning_amp.unsupported import refuse_precision_under_tp_fused
 
-_ALLOWED = "Fabric's precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or lightning_amp.fabric.AmpPrecision"
+_USE = ("Fabric's precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or lightning_amp.fabric's "
+        "AmpPrecision (e.g. `plugins=[AmpO2Precision()]`)")
 
 
 class TensorParallelStrategy(DDPStrategy):
@@ -87,16 +89,9 @@ class TensorParallelStrategy(DDPStrategy):
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
         """Refuse plugins that cannot run on converted layers with an fp32 ``main_grad`` (at ``Fabric(...)``)."""
-        if precision is not None:
-            supported = type(precision) is Precision or isinstance(precision, (MixedPrecision, HalfPrecision, AmpPrecision))
-            if not supported:
-                raise TypeError(
-                    f"strategy='tp_fused' (lightning_amp.fabric.TensorParallelStrategy) does not work with the precision "
-                    f"plugin {type(precision).__name__}(precision={getattr(precision, 'precision', '?')!r}): it converts the model's Linear layers and accumulates their grads in fp32. "
-                    f"Use {_ALLOWED} (e.g. `plugins=[AmpO2Precision()]`)."
-                )
-            if isinstance(precision, AmpPrecision):
-                precision._converted_by_strategy = True  # it casts the model after the plan (setup_module)
+        refuse_precision_under_tp_fused(precision, Precision, (MixedPrecision, HalfPrecision, AmpPrecision), _USE)
+        if isinstance(precision, AmpPrecision):
+            precision._converted_by_strategy = True  # it casts the model after the plan (setup_module)
         self._precision = precision
 
     # ------------------------------------------------------------------ sizes and groups

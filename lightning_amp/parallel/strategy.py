@@ -20,6 +20,7 @@ from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -29,6 +30,11 @@ from torch.optim import Optimizer
 
 from lightning_amp.parallel.plan import format_table
 from lightning_amp.parallel.runtime import TensorParallelRuntime
+from lightning_amp.precision import AmpPrecision
+from lightning_amp.unsupported import refuse_precision_under_tp_fused
+
+_USE = ("precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or a lightning-amp plugin "
+        "(e.g. `plugins=[AmpO2Plugin()]`)")
 
 
 class TensorParallelStrategy(DDPStrategy):
@@ -84,6 +90,16 @@ class TensorParallelStrategy(DDPStrategy):
             sequence_dim, bucket_numel, overlap_grad_reduce, allow_replicated,
         )
         super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        """Refuse plugins that cannot run on converted layers with an fp32 ``main_grad`` (at ``Trainer(...)``)."""
+        refuse_precision_under_tp_fused(precision_plugin, Precision, (MixedPrecision, HalfPrecision, AmpPrecision), _USE)
+        self._precision_plugin = precision_plugin
 
     # ------------------------------------------------------------------ sizes and groups
     @property
