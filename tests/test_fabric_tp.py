@@ -196,13 +196,17 @@ def test_deepspeed_with_our_trainer_plugin_is_refused_before_anything_is_cast():
     assert trainer.precision_plugin._half_params is None and model.layer.weight.dtype == torch.float32
 
 
-def test_fabric_tp_fused_refuses_a_second_model_and_an_optimizer_over_renamed_params():
+def test_fabric_tp_fused_refuses_a_second_model_and_an_optimizer_over_renamed_params(monkeypatch):
     """One model per Fabric; nn.MultiheadAttention's in_proj_weight becomes q/k/v projections, so an optimizer
     built before setup cannot be rebound: both say what to do instead."""
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # the one-process group below: not a port later tests reuse
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy="tp_fused")
     fabric.launch()
-    mha = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2, batch_first=True))
-    with pytest.raises(ValueError, match=r"holds '0\.in_proj_weight'.*fabric\.setup_module\(model\)"):
-        fabric.setup(mha, torch.optim.SGD(mha.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="one model per Fabric"):
-        fabric.setup(torch.nn.Linear(4, 4))
+    try:
+        mha = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2, batch_first=True))
+        with pytest.raises(ValueError, match=r"holds '0\.in_proj_weight'.*fabric\.setup_module\(model\)"):
+            fabric.setup(mha, torch.optim.SGD(mha.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match="one model per Fabric"):
+            fabric.setup(torch.nn.Linear(4, 4))
+    finally:
+        torch.distributed.destroy_process_group()
