@@ -14,3 +14,4 @@ from lightning_amp.optimizers import FusedAdadelta, FusedAdam, FusedLAMB, FusedS
 from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_amp.parallel.strategy import TensorParallelStrategy  # noqa: E402  (registers "tp_fused")
 from lightning_amp.precision import AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, AmpPrecision, main_params  # noqa: E402
+from lightning_amp.fabric.strategy import TensorParallelStrategy as _FabricTensorParallelStrategy  # noqa: E402,F401  (registers "tp_fused" for Fabric)

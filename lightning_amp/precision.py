@@ -56,6 +56,7 @@ from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.amp.step import OptimizerStep
+from lightning_amp.unsupported import refuse_strategy
 
 _STATE_VERSION = 1
 
@@ -204,6 +205,7 @@ class AmpPrecision(Precision):
                 f"(...): `Fabric(plugins=[{_FABRIC_NAMES.get(type(self).__name__, 'AmpPrecision')}()])`."
             )
         self._use_device_type(trainer.strategy.root_device.type)
+        refuse_strategy(self, trainer.strategy)
         props = self._properties
         if props.master_weights and props.cast_model and isinstance(trainer.strategy, ModelParallelStrategy):
             # FSDP2 all-gathers the fp32 shards as half copies (its MixedPrecisionPolicy): no HalfParams

@@ -80,7 +80,7 @@ def test_resume_from_fabric_save_is_exact(level, tmp_path):
     saved = torch.load(ckpt, weights_only=False)
     assert saved["step"] == 2
     assert saved["optimizer"]["param_groups"][0]["lightning_amp"]["scaler"]["steps"] == 2
-    weight = saved["model"]["blocks.0.qkv.weight"]
+    weight = saved["model"]["blocks.0.attn.q_proj.weight"]
     assert weight.dtype == (torch.bfloat16 if level == "O3" else torch.float32)
     if level == "O2":  # fp32 masters, not the bf16 weights
         assert not torch.equal(weight, weight.bfloat16().float())

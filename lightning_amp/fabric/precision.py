@@ -17,11 +17,15 @@ Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
 * Checkpoints: the module's ``state_dict()`` holds its fp32 params, and the optimizer's
   ``state_dict()`` carries its loss scaler (``param_groups[0]["lightning_amp"]``), so
   ``fabric.save(path, {"model": model, "optimizer": optimizer})`` / ``fabric.load`` resume exactly.
+* Strategies: under ``strategy="tp_fused"`` (:mod:`lightning_amp.fabric.strategy`) the strategy casts the
+  model after converting its layers; under DeepSpeed, ``fabric.setup`` raises TypeError before anything
+  is cast (:mod:`lightning_amp.unsupported`).
 * LR schedulers: Fabric does not see them; call :func:`~lightning_amp.amp.gate.make_scheduler_skip_aware`
   on a per-step scheduler so that it does not advance on skipped steps.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, Generator, List, Optional
 
 from torch import Tensor
@@ -33,6 +37,7 @@ from lightning_amp.amp.module_cast import cast_floating
 from lightning_amp.amp.step import OptimizerStep
 from lightning_amp.precision import AmpPrecision as _TrainerAmpPrecision
 from lightning_amp.precision import _no_opt_level
+from lightning_amp.unsupported import refuse_strategy
 
 _STATE_KEY = "lightning_amp"  # where an optimizer's state_dict carries its scaler (in param_groups[0])
 _TRAINER_NAMES = {"AmpPrecision": "AmpPrecision", "AmpO0Precision": "AmpO0Plugin", "AmpO1Precision": "AmpO1Plugin",
@@ -49,18 +54,26 @@ class AmpPrecision(_TrainerAmpPrecision):
 
     # ---- setup -------------------------------------------------------------------------
 
+    _converted_by_strategy = False  # set by the tp_fused strategy, which casts after planning (setup_module)
+
     def convert_module(self, module: Module) -> Module:
-        """Cast ``module`` in place, as the Trainer plugin does (see the module docstring)."""
+        """Cast ``module`` in place, as the Trainer plugin does (see the module docstring); under
+        ``strategy="tp_fused"`` the strategy does it after converting the layers."""
         if getattr(module, "_trainer", None) is not None:
             name = _TRAINER_NAMES.get(type(self).__name__, "AmpPrecision")
             raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
                             f"lightning_amp.{name}(...): `Trainer(plugins=[{name}()])`.")
+        refuse_strategy(self, _calling_fabric_strategy())
+        if not self._converted_by_strategy:
+            self._convert_for_fabric(module)
+        return module
+
+    def _convert_for_fabric(self, module: Module) -> None:
         self._convert_module(module)
         names: Dict[Tensor, List[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             names.setdefault(param, []).append(name)
         self._engine.connect([], names)
-        return module
 
     def connect(self, *args: Any, **kwargs: Any) -> Any:
         """A Trainer hook: this plugin is for Fabric."""
@@ -138,6 +151,23 @@ class AmpPrecision(_TrainerAmpPrecision):
     def _restore(state: OptimizerStep, saved: Dict[str, Any]) -> None:
         state.scaler.load_state_dict(saved["scaler"])
         state.skipped = int(saved["skipped"])
+
+
+def _calling_fabric_strategy() -> Optional[Any]:
+    """The strategy of the ``Fabric`` whose ``setup``/``setup_module`` is calling ``convert_module``: Fabric
+    hands a precision plugin no reference to its strategy, and a DeepSpeed one must be refused before
+    anything is cast. None when not called from Fabric."""
+    from lightning.fabric import Fabric
+
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Fabric):
+            return owner.strategy
+        frame = frame.f_back
+    return None
 
 
 class AmpO0Precision(AmpPrecision):

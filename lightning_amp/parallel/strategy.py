@@ -8,18 +8,19 @@ strategy (1) broadcasts rank 0's weights, (2) converts the module in place with
 buffer (:class:`~lightning_amp.parallel.main_grad.MainGradBuffer`) whose DP all-reduce replaces
 torch's DDP wrapper. Before the optimizer step ``p.grad`` points at ``main_grad``; after it the
 buffer is zeroed. Checkpoints hold the gathered full weights in the original key layout.
-This is the only file of ``lightning_amp.parallel`` that imports Lightning.
+The machinery is :class:`~lightning_amp.parallel.runtime.TensorParallelRuntime`, shared with the Fabric
+strategy (:mod:`lightning_amp.fabric.strategy`); this file maps the Trainer's hooks onto it and is the
+only file of ``lightning_amp.parallel`` that imports Lightning.
 """
 from __future__ import annotations
 
 import atexit
-import os
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Mapping, Optional, Union
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,10 +28,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_amp.parallel.groups import ParallelGroups, build_groups, validate_sizes
-from lightning_amp.parallel.main_grad import MainGradBuffer, clip_grad_norm_
-from lightning_amp.parallel.sequence import validate_sequence_dim
-from lightning_amp.parallel.plan import apply_plan, format_table, gathered_state_dict, load_gathered_state_dict, validate_plan
+from lightning_amp.parallel.plan import format_table
+from lightning_amp.parallel.runtime import TensorParallelRuntime
+from lightning_amp.precision import AmpPrecision
+from lightning_amp.unsupported import refuse_precision_under_tp_fused
+
+_USE = ("precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or a lightning-amp plugin "
+        "(e.g. `plugins=[AmpO2Plugin()]`)")
 
 
 class TensorParallelStrategy(DDPStrategy):
@@ -81,96 +85,54 @@ class TensorParallelStrategy(DDPStrategy):
         allow_replicated: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
-        if tensor_parallel_size != "auto" and (
-            not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1
-        ):
-            raise ValueError(f"tensor_parallel_size must be 'auto' or a positive int, got {tensor_parallel_size!r}")
-        for name, value in (("sequence_parallel", sequence_parallel), ("gradient_accumulation_fusion", gradient_accumulation_fusion),
-                            ("async_grad_allreduce", async_grad_allreduce), ("overlap_grad_reduce", overlap_grad_reduce),
-                            ("allow_replicated", allow_replicated)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}")
-        validate_sequence_dim(sequence_dim)
-        if not isinstance(bucket_numel, int) or bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
-        validate_plan(plan)
+        self.runtime = TensorParallelRuntime(
+            tensor_parallel_size, sequence_parallel, gradient_accumulation_fusion, async_grad_allreduce, plan,
+            sequence_dim, bucket_numel, overlap_grad_reduce, allow_replicated,
+        )
         super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
-        self._tp_size_arg = tensor_parallel_size
-        self.sequence_parallel = sequence_parallel
-        self.sequence_dim = sequence_dim
-        self.gradient_accumulation_fusion = gradient_accumulation_fusion
-        self.async_grad_allreduce = async_grad_allreduce
-        self.plan = plan
-        self.bucket_numel = bucket_numel
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.allow_replicated = allow_replicated
-        self.groups: Optional[ParallelGroups] = None
-        self.grad_buffer: Optional[MainGradBuffer] = None
-        self.conversions: list = []
-        self._converted = False
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        """Refuse plugins that cannot run on converted layers with an fp32 ``main_grad`` (at ``Trainer(...)``)."""
+        refuse_precision_under_tp_fused(precision_plugin, Precision, (MixedPrecision, HalfPrecision, AmpPrecision), _USE)
+        self._precision_plugin = precision_plugin
 
     # ------------------------------------------------------------------ sizes and groups
     @property
     def tensor_parallel_size(self) -> int:
-        if self._tp_size_arg == "auto":
-            return max(self.num_processes, 1)
-        return int(self._tp_size_arg)
+        return self.runtime.tensor_parallel_size(self.num_processes)
 
     @property
     def data_parallel_size(self) -> int:
         return (self.num_nodes * self.num_processes) // self.tensor_parallel_size
 
-    def _validate_sizes(self) -> None:
-        validate_sizes(self.num_nodes * self.num_processes, self.tensor_parallel_size, devices_per_node=self.num_processes)
-
     def _configure_launcher(self) -> None:
-        self._validate_sizes()
-        if self.root_device.type == "cuda":
-            # the async dgrad all-reduce only overlaps the wgrad GEMM with one hardware queue
-            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        self.runtime.prepare_launch(self.num_nodes, self.num_processes, self.root_device.type)
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _GatheringMultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_distributed(self) -> None:
-        self._validate_sizes()
+        self.runtime.validate_sizes(self.num_nodes, self.num_processes)
         super().setup_distributed()
-        if dist.is_initialized() and dist.get_backend() != "nccl":  # Lightning registers this for nccl only
-            atexit.unregister(_destroy_dist_connection)
-            atexit.register(_destroy_dist_connection)
-        if self.groups is None:  # converted layers keep using these groups in later fit/validate calls
-            self.groups = build_groups(self.tensor_parallel_size)
+        destroy_group_at_exit()
+        self.runtime.build_groups(self.num_processes)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        tp = self.tensor_parallel_size
-        return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // tp}
+        return self.runtime.sampler_kwargs(self.num_nodes, self.num_processes, self.global_rank)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: "Any") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model_to_device()
-        if not self._converted and _holds_parallel_layers(self.model):
-            self._converted = True  # converted by an earlier fit/validate: its shards must not be overwritten
-        if not self._converted:
-            self._broadcast_module_from_rank_zero()
-            self.conversions = apply_plan(
-                self.model,
-                self.groups.tp_group,
-                self.plan,
-                sequence_parallel=self.sequence_parallel,
-                sequence_dim=self.sequence_dim,
-                allow_replicated=self.allow_replicated,
-                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                async_grad_allreduce=self.async_grad_allreduce,
-            )
-            self._converted = True
-            rank_zero_info(
-                f"tp_fused: tensor_parallel_size={self.tensor_parallel_size}, data_parallel_size={self.data_parallel_size}\n"
-                + format_table(self.conversions)
-            )
-        self._agree_rng_within_tp_group()
+        if self.runtime.convert(self.model, self.root_device):
+            rank_zero_info(_conversion_report(self.runtime, self.data_parallel_size))
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -181,42 +143,17 @@ class TensorParallelStrategy(DDPStrategy):
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
-            self.grad_buffer = MainGradBuffer(
-                self.model.parameters(), self.groups.dp_group, self.groups.tp_group,
-                bucket_numel=self.bucket_numel, overlap=self.overlap_grad_reduce,
-            )
+            self.runtime.attach_grad_buffer(self.model.parameters())
             self._patch_gradient_clipping()
-
-    def _broadcast_module_from_rank_zero(self) -> None:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        with torch.no_grad():
-            for tensor in list(self.model.parameters()) + list(self.model.buffers()):
-                dist.broadcast(tensor.data, src=0)
-
-    def _agree_rng_within_tp_group(self) -> None:
-        """TP ranks compute replicated regions redundantly: their dropout masks must agree."""
-        if self.groups is None or self.groups.tp_size == 1:
-            return
-        src = self.groups.tp_src_global_rank
-        state = torch.get_rng_state()
-        dist.broadcast(state, src=src, group=self.groups.tp_group)
-        torch.set_rng_state(state)
-        if self.root_device.type == "cuda":
-            cuda_state = torch.cuda.get_rng_state(self.root_device).to(self.root_device)
-            dist.broadcast(cuda_state, src=src, group=self.groups.tp_group)
-            torch.cuda.set_rng_state(cuda_state.cpu(), self.root_device)
 
     def _patch_gradient_clipping(self) -> None:
         """Norm-based clipping must see the full model's norm: sharded params summed over TP."""
-        plugin = self.precision_plugin
-        tp_group = self.groups.tp_group
+        runtime = self.runtime
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_(params, clip_val, tp_group)
+            runtime.clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], clip_val)
 
-        plugin.clip_grad_by_norm = clip_grad_by_norm
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
 
     # ------------------------------------------------------------------ backward and step
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -226,10 +163,7 @@ class TensorParallelStrategy(DDPStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        buffer = self.grad_buffer
-        if buffer is not None and buffer.sync_enabled:
-            buffer.finish_sync()
-            buffer.expose_grads()
+        self.runtime.finish_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -243,56 +177,29 @@ class TensorParallelStrategy(DDPStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator:
         """Micro-batches before the last one only accumulate into ``main_grad`` (no reduction)."""
-        if self.grad_buffer is None:
+        with self.runtime.no_sync():
             yield None
-            return
-        self.grad_buffer.sync_enabled = False
-        try:
-            yield None
-        finally:
-            self.grad_buffer.sync_enabled = True
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.grad_buffer is not None:
-            self.grad_buffer.zero()
+        self.runtime.after_step()
         return output
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights under the original module's keys (collective; every rank gets them)."""
         assert self.lightning_module is not None
-        if not self._converted:
-            return self.lightning_module.state_dict()
-        state = gathered_state_dict(self.lightning_module)
-        return {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in state.items()}
+        return self.runtime.full_state_dict(self.lightning_module)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        if not self._converted:
-            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-            return
-        load_gathered_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        self.runtime.load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer state with every sharded param's per-element state gathered to full size
         (collective), so the checkpoint resumes at any TP size."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        state = optimizer.state_dict()
-        if not self._converted or self.groups is None:
-            return state
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        gathered = {}
-        for index, per_param in state["state"].items():
-            param = params[index]
-            per_param = dict(per_param)
-            layout = getattr(param, "shard_layout", None)
-            if layout is not None:
-                for key, value in per_param.items():
-                    if torch.is_tensor(value) and value.shape == param.shape:
-                        per_param[key] = layout.gather(value)
-            gathered[index] = per_param
-        return {**state, "state": gathered}
+        return self.runtime.gather_optimizer_state(optimizer, optimizer.state_dict())
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Take this rank's slice of every full-size per-element state saved by :meth:`optimizer_state`."""
@@ -300,28 +207,15 @@ class TensorParallelStrategy(DDPStrategy):
 
         for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            sliced = {}
-            for index, per_param in opt_state["state"].items():
-                param = params[int(index)]
-                per_param = dict(per_param)
-                layout = getattr(param, "shard_layout", None)
-                if layout is not None:
-                    for key, value in per_param.items():
-                        if torch.is_tensor(value) and value.dim() == param.dim():  # saved full, original layout
-                            per_param[key] = layout.shard(value)
-                sliced[index] = per_param
-            optimizer.load_state_dict({**opt_state, "state": sliced})
+            optimizer.load_state_dict(self.runtime.shard_optimizer_state(optimizer, opt_state))
             _optimizer_to_device(optimizer, self.root_device)
 
     def teardown(self) -> None:
         """Wait for in-flight gradient all-reduces and detach the buffer's hooks. The TP/DP groups stay: the
         converted layers use them after ``fit`` (the spawn launcher gathers the weights after teardown, a
         later ``validate`` reuses them); every group is destroyed before the process exits (see the launcher
-        and the ``atexit`` handler registered in :meth:`setup_distributed`)."""
-        if self.grad_buffer is not None:
-            self.grad_buffer.remove_hooks()
-            self.grad_buffer = None
+        and :func:`destroy_group_at_exit`, called in :meth:`setup_distributed`)."""
+        self.runtime.release()
         super().teardown()
 
     @classmethod
@@ -336,11 +230,17 @@ class TensorParallelStrategy(DDPStrategy):
         )
 
 
-def _holds_parallel_layers(module: Any) -> bool:
-    from lightning_amp.parallel.attention import ParallelMultiheadAttention
-    from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+def _conversion_report(runtime: TensorParallelRuntime, data_parallel_size: int) -> str:
+    return (f"tp_fused: tensor_parallel_size={runtime.groups.tp_size}, data_parallel_size={data_parallel_size}\n"
+            + format_table(runtime.conversions))
 
-    return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelMultiheadAttention)) for m in module.modules())
+
+def destroy_group_at_exit() -> None:
+    """Destroy the process groups at exit for every backend (Lightning registers this for NCCL only; a gloo
+    group left to interpreter finalization can abort a finished worker). Registered once."""
+    if dist.is_initialized() and dist.get_backend() != "nccl":
+        atexit.unregister(_destroy_dist_connection)
+        atexit.register(_destroy_dist_connection)
 
 
 class _GatheringMultiProcessingLauncher(_MultiProcessingLauncher):

@@ -1,0 +1,247 @@
+"""TensorParallelStrategy for Lightning Fabric: ``Fabric(strategy="tp_fused", devices=N)``.
+
+The Trainer strategy of the same name (:class:`lightning_amp.TensorParallelStrategy`) in a
+hand-written Fabric loop; both run :class:`~lightning_amp.parallel.runtime.TensorParallelRuntime`.
+One process per device as ``"ddp"`` (gloo on CPU, nccl on CUDA); TP groups of
+``tensor_parallel_size`` consecutive ranks inside a node, DP across them.
+
+* ``fabric.setup(model, optimizer)``: rank 0's weights are broadcast, the plan converts the model in
+  place (this rank's slice of the existing weights), then the precision plugin casts it (a
+  lightning-amp plugin converts *after* the plan, so its O2 half copies are those of the shards), and
+  every param gets an fp32 ``main_grad`` in one flat buffer reduced over DP (no DDP wrapper). The
+  optimizer built over the unconverted ``model.parameters()`` is rebound to the shards, param for
+  param by name; a model whose conversion renames params (``nn.MultiheadAttention`` becomes q/k/v
+  projections) needs the optimizer built after ``fabric.setup_module(model)`` and passed to
+  ``fabric.setup_optimizers``. One model per Fabric.
+* ``fabric.backward``: backward, then (unless inside ``fabric.no_backward_sync``) the DP all-reduce of
+  ``main_grad`` and ``p.grad = main_grad``; ``optimizer.step()`` then clears the buffer.
+* ``fabric.clip_gradients(max_norm=...)`` clips to the norm of the whole model (shards summed over TP).
+* ``fabric.save`` / ``fabric.load``: full fp32 weights under the original keys and full-size
+  optimizer state (collective: every rank calls them, as Fabric requires), so a checkpoint moves
+  between TP sizes and to or from a plain one-process run.
+* ``setup_dataloaders`` splits the data over the DP ranks only (TP ranks see the same batches); a loop
+  that splits batches by hand uses ``fabric.strategy.distributed_sampler_kwargs``.
+
+Precisions: Fabric's ``32-true``, ``16-mixed``/``bf16-mixed``, ``16-true``/``bf16-true`` and
+lightning-amp's :class:`~lightning_amp.fabric.AmpPrecision` (O0-O3); any other plugin raises
+TypeError when the Fabric is built.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_amp.fabric.precision import AmpPrecision
+from lightning_amp.parallel.runtime import TensorParallelRuntime
+from lightning_amp.parallel.strategy import _conversion_report, destroy_group_at_exit
+from lightning_amp.unsupported import refuse_precision_under_tp_fused
+
+_USE = ("Fabric's precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or lightning_amp.fabric's "
+        "AmpPrecision (e.g. `plugins=[AmpO2Precision()]`)")
+
+
+class TensorParallelStrategy(DDPStrategy):
+    """Tensor parallel x data parallel with fused fp32 weight-gradient accumulation, for Fabric.
+
+    Same arguments as the Trainer's :class:`lightning_amp.TensorParallelStrategy` (``tensor_parallel_size``,
+    ``sequence_parallel``, ``sequence_dim``, ``gradient_accumulation_fusion``, ``async_grad_allreduce``,
+    ``plan``, ``process_group_backend``, ``bucket_numel``, ``overlap_grad_reduce``, ``allow_replicated``);
+    ``**ddp_kwargs`` go to Fabric's ``DDPStrategy`` (``start_method``, ``timeout``). Registered as
+    ``"tp_fused"`` (processes started by re-running the script) and ``"tp_fused_spawn"``.
+    """
+
+    def __init__(
+        self,
+        tensor_parallel_size: Union[int, str] = "auto",
+        sequence_parallel: bool = False,
+        gradient_accumulation_fusion: bool = True,
+        async_grad_allreduce: bool = True,
+        plan: Union[str, Mapping[str, str]] = "auto",
+        process_group_backend: Optional[str] = None,
+        sequence_dim: Optional[int] = None,
+        bucket_numel: int = 2**22,
+        overlap_grad_reduce: bool = True,
+        allow_replicated: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        self.runtime = TensorParallelRuntime(
+            tensor_parallel_size, sequence_parallel, gradient_accumulation_fusion, async_grad_allreduce, plan,
+            sequence_dim, bucket_numel, overlap_grad_reduce, allow_replicated,
+        )
+        super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
+        self._backward_sync_control = _MainGradSyncControl(self.runtime)
+        self._module: Optional[nn.Module] = None
+        self._optimizers: List[Optimizer] = []
+
+    # ------------------------------------------------------------------ precision
+    @property
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        """Refuse plugins that cannot run on converted layers with an fp32 ``main_grad`` (at ``Fabric(...)``)."""
+        refuse_precision_under_tp_fused(precision, Precision, (MixedPrecision, HalfPrecision, AmpPrecision), _USE)
+        if isinstance(precision, AmpPrecision):
+            precision._converted_by_strategy = True  # it casts the model after the plan (setup_module)
+        self._precision = precision
+
+    # ------------------------------------------------------------------ sizes and groups
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.runtime.tensor_parallel_size(self.num_processes)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return (self.num_nodes * self.num_processes) // self.tensor_parallel_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return self.runtime.sampler_kwargs(self.num_nodes, self.num_processes, self.global_rank)
+
+    def _configure_launcher(self) -> None:
+        self.runtime.prepare_launch(self.num_nodes, self.num_processes, self.root_device.type)
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        self.runtime.validate_sizes(self.num_nodes, self.num_processes)
+        super().setup_environment()
+        destroy_group_at_exit()
+        self.runtime.build_groups(self.num_processes)
+
+    # ------------------------------------------------------------------ setup
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer], scheduler: Optional[Any] = None):
+        """Convert ``module`` (see :meth:`setup_module`) and rebind the optimizers to its shards."""
+        before = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+        module = self.setup_module(module)
+        after = dict(module.named_parameters(remove_duplicate=False))
+        for optimizer in optimizers:
+            _rebind(optimizer, before, after)
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Broadcast rank 0's weights, apply the plan, cast (lightning-amp plugins), attach ``main_grad``."""
+        if self._module is not None and self._module is not module:
+            raise ValueError("strategy='tp_fused' sets up one model per Fabric (its main_grad buffer is reduced at every "
+                             "fabric.backward); combine the models into one nn.Module, or use strategy='ddp' for several.")
+        if self.runtime.convert(module, self.root_device):
+            rank_zero_info(_conversion_report(self.runtime, self.data_parallel_size))
+        if isinstance(self.precision, AmpPrecision):
+            self.precision._convert_for_fabric(module)
+        self.module_to_device(module)
+        self.runtime.attach_grad_buffer(module.parameters())
+        self._module = module
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+        return optimizer
+
+    # ------------------------------------------------------------------ the step
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        """Backward, then (outside ``no_backward_sync``) the DP reduction and ``p.grad = main_grad``,
+        before the precision plugin's ``post_backward``."""
+        self.precision.pre_backward(tensor, module)
+        self.precision.backward(tensor, module, *args, **kwargs)
+        self.runtime.finish_backward()
+        self.precision.post_backward(tensor, module)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The precision plugin's step, then ``main_grad`` and ``p.grad`` are cleared (taken or skipped)."""
+        output = super().optimizer_step(optimizer, **kwargs)
+        self.runtime.after_step()
+        return output
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        """Unscale, then clip to the norm of the whole (unsharded) model; returns that norm."""
+        self.precision.unscale_gradients(optimizer)
+        norm = self.runtime.clip_grad_norm(list(self.precision.main_params(optimizer)), max_norm, norm_type)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
+                               "so it cannot be clipped. To disable this error, pass `error_if_nonfinite=False`.")
+        return norm
+
+    # ------------------------------------------------------------------ checkpoints
+    def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        """Full fp32 weights under the original module's keys (collective)."""
+        return self.runtime.full_state_dict(module)
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        self.runtime.load_full_state_dict(module, state_dict, strict=strict)
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        """The optimizer's state with per-element state of sharded params gathered to full size (collective)."""
+        return self.runtime.gather_optimizer_state(optimizer, optimizer.state_dict())
+
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """As Fabric's; optimizers take their slice of the full-size state they are given."""
+        runtime = self.runtime
+        handles = [o.register_load_state_dict_pre_hook(lambda opt, sd: runtime.shard_optimizer_state(opt, sd))
+                   for o in self._optimizers]
+        try:
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def teardown(self) -> None:
+        """Wait for in-flight all-reduces and detach the buffer's hooks (the groups stay until exit)."""
+        self.runtime.release()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "tp_fused", cls, description="Tensor parallel + flat fp32 main_grad data parallel (lightning-amp)", override=True,
+        )
+        strategy_registry.register(
+            "tp_fused_spawn", cls, description="tp_fused launched with torch.multiprocessing spawn",
+            start_method="spawn", override=True,
+        )
+
+
+class _MainGradSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: backwards only accumulate into ``main_grad``."""
+
+    def __init__(self, runtime: TensorParallelRuntime) -> None:
+        self.runtime = runtime
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return self.runtime.no_sync() if enabled else nullcontext()
+
+
+def _rebind(optimizer: Optimizer, before: Dict[int, str], after: Dict[str, nn.Parameter]) -> None:
+    """Point ``optimizer`` at the converted module's params, matched by name (``before``: id -> name)."""
+    current = {id(p) for p in after.values()}
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            name = before.get(id(p))
+            if id(p) in current or name is None:  # unchanged, or not the model's
+                params.append(p)
+                continue
+            if name not in after:
+                raise ValueError(
+                    f"strategy='tp_fused': the optimizer holds {name!r}, which the tensor-parallel conversion replaced "
+                    "by differently named params; build the optimizer after the conversion: "
+                    "`model = fabric.setup_module(model)`, then `optimizer = fabric.setup_optimizers(make(model.parameters()))`."
+                )
+            if optimizer.state.get(p):
+                raise ValueError(f"strategy='tp_fused': the optimizer has state for {name!r} already; call fabric.setup "
+                                 "before the first optimizer.step() (load a checkpoint with fabric.load after setup).")
+            params.append(after[name])
+        group["params"] = params
+
+
+TensorParallelStrategy.register_strategies(STRATEGY_REGISTRY)
