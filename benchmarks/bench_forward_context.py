@@ -26,8 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_amp.amp.forward import half_forward
-from lightning_amp.amp.module_cast import cast_floating, cast_module_
+from lightning_amp.amp.module_cast import cast_floating, cast_module_, default_dtype
+
+
+@contextlib.contextmanager
+def half_forward(dtype: torch.dtype, autocast: bool):
+    """The half default dtype (O3's forward), plus CPU autocast if asked."""
+    with default_dtype(dtype), torch.autocast("cpu", dtype=dtype, cache_enabled=False, enabled=autocast):
+        yield
 
 
 def _min_times(bodies: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, float]:
@@ -78,8 +84,8 @@ def probe(dtype: torch.dtype, rounds: int) -> None:
     run = lambda: model(x).float().pow(2).mean()  # noqa: E731
     t = _min_times({
         "none": _step(model, run, contextlib.nullcontext),
-        "dtype": _step(model, run, lambda: half_forward(dtype, "cpu", autocast=False)),
-        "dtype+autocast": _step(model, run, lambda: half_forward(dtype, "cpu", autocast=True)),
+        "dtype": _step(model, run, lambda: half_forward(dtype, autocast=False)),
+        "dtype+autocast": _step(model, run, lambda: half_forward(dtype, autocast=True)),
     }, rounds)
     print(f"probe (48 x Linear/LayerNorm/GELU, width 16): no context {t['none'] * 1e3:.2f} ms, "
           f"default dtype {t['dtype'] / t['none']:.3f}x, default dtype + autocast {t['dtype+autocast'] / t['none']:.3f}x")
@@ -95,8 +101,8 @@ def models(dtype: torch.dtype, rounds: int) -> None:
         batch = cast_floating(batch, dtype)
         run = lambda: model.training_step(batch, 0)  # noqa: E731
         t = _min_times({
-            "dtype": _step(model, run, lambda: half_forward(dtype, "cpu", autocast=False)),
-            "dtype+autocast": _step(model, run, lambda: half_forward(dtype, "cpu", autocast=True)),
+            "dtype": _step(model, run, lambda: half_forward(dtype, autocast=False)),
+            "dtype+autocast": _step(model, run, lambda: half_forward(dtype, autocast=True)),
         }, rounds)
         print(f"{name:<18} default dtype {t['dtype'] * 1e3:7.2f} ms, + autocast {t['dtype+autocast'] * 1e3:7.2f} ms "
               f"({t['dtype+autocast'] / t['dtype']:.3f}x)")

@@ -206,24 +206,22 @@ class AmpPrecision(Precision):
             )
         self._use_device_type(trainer.strategy.root_device.type)
         refuse_strategy(self, trainer.strategy)
-        props = self._properties
-        if props.master_weights and props.cast_model and isinstance(trainer.strategy, ModelParallelStrategy):
-            # FSDP2 all-gathers the fp32 shards as half copies (its MixedPrecisionPolicy): no HalfParams
-            fsdp2_half_compute_(module, props.dtype, props.keep_batchnorm_fp32)
-            prepare_o2_module_(module, props.dtype, props.keep_batchnorm_fp32)
-            cast_outputs_hook(module, props.cast_model_outputs)
-        else:
-            self._convert_module(module)
+        self._convert_module(module, fsdp2=isinstance(trainer.strategy, ModelParallelStrategy))
         return module
 
-    def _convert_module(self, module: Module) -> None:
+    def _convert_module(self, module: Module, fsdp2: bool = False) -> None:
+        """Cast ``module`` in place for the level; ``fsdp2``: FSDP2 has sharded it (ModelParallelStrategy),
+        so under master weights FSDP2's policy all-gathers the fp32 shards as the half copies, not HalfParams."""
         props = self._properties
         self._fsdp2_checked = False
         if props.opt_level == "O0":
             cast_module_(module, torch.float32)
         elif props.cast_model and props.master_weights:
+            if fsdp2:
+                fsdp2_half_compute_(module, props.dtype, props.keep_batchnorm_fp32)  # refuses half params first
             prepare_o2_module_(module, props.dtype, props.keep_batchnorm_fp32)
-            self._half_params = HalfParams(module, props.dtype, props.keep_batchnorm_fp32)
+            if not fsdp2:
+                self._half_params = HalfParams(module, props.dtype, props.keep_batchnorm_fp32)
         elif props.cast_model:
             cast_module_(module, props.dtype, props.keep_batchnorm_fp32)
             for sub in module.modules():

@@ -38,17 +38,6 @@ from lightning_amp.amp.module_cast import default_dtype
 
 
 @contextlib.contextmanager
-def half_forward(dtype: torch.dtype, device_type: str, autocast: bool) -> Iterator[None]:
-    """Forward of a model cast to ``dtype``: ``dtype`` is the default dtype, plus autocast if asked."""
-    with default_dtype(dtype):
-        if not autocast:
-            yield
-            return
-        with torch.autocast(device_type, dtype=dtype, cache_enabled=False):
-            yield
-
-
-@contextlib.contextmanager
 def shared_forward_state(props: AmpProperties, half_params: Optional[HalfParams] = None) -> Iterator[None]:
     """The process-wide part of the level's forward: the half default dtype (O2, O3) and, under
     master weights, the half copies and the input casts. It holds on every thread, so a forward that
