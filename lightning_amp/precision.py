@@ -234,9 +234,10 @@ class AmpPrecision(Precision):
         return f"{type(self).__name__}(opt_level={props.opt_level!r}, dtype={props.dtype}, loss_scale={props.loss_scale!r})"
 
     def convert_input(self, data: Any) -> Any:
-        """O2/O3: floating tensors of the batch become the half dtype; other levels leave it alone."""
+        """O2/O3: floating tensors of the batch become the half dtype, saturating at its range (an fp32
+        ``finfo.min`` mask stays finite); other levels leave it alone."""
         if self._properties.cast_model:
-            return cast_floating(data, self._properties.dtype)
+            return cast_floating(data, self._properties.dtype, saturating=True)
         return data
 
     @contextlib.contextmanager

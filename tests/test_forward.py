@@ -12,7 +12,8 @@ from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO2Plugin, main_params
 from lightning_amp.amp.casts import active_cast
 from lightning_amp.amp.forward import default_dtype, forward_context
-from lightning_amp.amp.half_inputs import half_inputs, saturate
+from lightning_amp.amp.half_inputs import half_inputs
+from lightning_amp.amp.module_cast import saturate
 from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
 from lightning_amp.amp.levels import resolve_properties
 

@@ -50,7 +50,7 @@ from torch.nn.modules.loss import _Loss
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from lightning_amp.amp.half_params import reads_fp32, registration_count
-from lightning_amp.amp.module_cast import _is_metric, modules_outside_metrics
+from lightning_amp.amp.module_cast import _is_metric, modules_outside_metrics, saturate
 
 _WIDE = (torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -58,13 +58,6 @@ _HOOKED_ATTR = "_lightning_amp_half_inputs"
 _active: List[torch.dtype] = []  # the half dtype of each entered block, innermost last
 _module_counts: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 _LOSS_CALL = _Loss.__dict__.get("__call__")  # None: _Loss inherits nn.Module.__call__
-
-
-def saturate(tensor: Tensor, dtype: torch.dtype) -> Tensor:
-    """``tensor`` cast to the half ``dtype``, values beyond its range (±inf included) clamped to
-    ±``finfo(dtype).max``; NaN stays NaN."""
-    info = torch.finfo(dtype)
-    return tensor.clamp(info.min, info.max).to(dtype)
 
 
 def _cast(value: Any, sources: Tuple[torch.dtype, ...], convert: Callable[[Tensor], Tensor]) -> Any:

@@ -14,7 +14,7 @@
   ``cast_model_outputs``).
 * :func:`cast_floating` casts the floating tensors of any nested collection (inputs): tuples,
   namedtuples, lists, dicts and mappings of any subclass (``OrderedDict``, ``defaultdict``, HF
-  ``ModelOutput``), dataclasses.
+  ``ModelOutput``), dataclasses; optionally :func:`saturate`-ing at the half range.
 
 Calling these twice on one module is harmless: hooks are installed once.
 """
@@ -46,25 +46,36 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def cast_floating(data: Any, dtype: torch.dtype) -> Any:
+def saturate(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor`` cast to the half ``dtype``, values beyond its range (±inf included) clamped to
+    ±``finfo(dtype).max``; NaN stays NaN. An additive attention mask at ``finfo(float32).min``
+    becomes ``finfo(dtype).min``, not ``-inf``, so a fully masked softmax row stays finite."""
+    info = torch.finfo(dtype)
+    return tensor.clamp(info.min, info.max).to(dtype)
+
+
+def cast_floating(data: Any, dtype: torch.dtype, saturating: bool = False) -> Any:
     """``data`` with every floating tensor (nested in the collections of the module docstring) cast to
-    ``dtype``. A container is copied shallowly (its class and other fields kept, a mapping or a
-    dataclass without re-running its ``__init__``); other objects are returned as they are."""
+    ``dtype`` (with ``saturating``, a half ``dtype``: :func:`saturate`). A container is copied shallowly
+    (its class and other fields kept, a mapping or a dataclass without re-running its ``__init__``);
+    other objects are returned as they are."""
     if isinstance(data, Tensor):
-        return data.to(dtype) if data.is_floating_point() and data.dtype != dtype else data
+        if not data.is_floating_point() or data.dtype == dtype:
+            return data
+        return saturate(data, dtype) if saturating else data.to(dtype)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(cast_floating(item, dtype) for item in data))
+        return type(data)(*(cast_floating(item, dtype, saturating) for item in data))
     if isinstance(data, (list, tuple)):
-        return type(data)(cast_floating(item, dtype) for item in data)
+        return type(data)(cast_floating(item, dtype, saturating) for item in data)
     if isinstance(data, dict):  # OrderedDict, defaultdict, ModelOutput (a dataclass too): kept as the mapping it is
         out = copy.copy(data)
         for key, value in data.items():
-            out[key] = cast_floating(value, dtype)
+            out[key] = cast_floating(value, dtype, saturating)
         return out
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
         out = copy.copy(data)
         for field in dataclasses.fields(data):
-            object.__setattr__(out, field.name, cast_floating(getattr(data, field.name), dtype))  # frozen too
+            object.__setattr__(out, field.name, cast_floating(getattr(data, field.name), dtype, saturating))  # frozen too
         return out
     return data
 

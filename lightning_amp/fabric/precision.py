@@ -97,11 +97,12 @@ class AmpPrecision(_TrainerAmpPrecision):
     # ---- the step ----------------------------------------------------------------------
 
     def convert_input(self, data: Any) -> Any:
-        """O2/O3: floating tensors become the half dtype; the autocast device follows the batch's."""
+        """O2/O3: floating tensors become the half dtype, saturating at its range (an fp32 ``finfo.min``
+        mask stays finite); the autocast device follows the batch's."""
         tensor = next((t for t in tree_leaves(data) if isinstance(t, Tensor)), None)
         if tensor is not None and tensor.device.type != self._device_type:
             self._device_type = tensor.device.type
-        return cast_floating(data, self._properties.dtype) if self._properties.cast_model else data
+        return cast_floating(data, self._properties.dtype, saturating=True) if self._properties.cast_model else data
 
     def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Any:  # type: ignore[override]
         return None  # Fabric drops what this returns: the loss is scaled in backward()
