@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Generator, List, Optional
 
+from lightning.fabric.strategies import SingleDeviceStrategy
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
@@ -63,13 +64,14 @@ class AmpPrecision(_TrainerAmpPrecision):
             name = _TRAINER_NAMES.get(type(self).__name__, "AmpPrecision")
             raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
                             f"lightning_amp.{name}(...): `Trainer(plugins=[{name}()])`.")
-        refuse_strategy(self, _calling_fabric_strategy())
+        strategy = _calling_fabric_strategy()
+        refuse_strategy(self, strategy)
         if not self._converted_by_strategy:
-            self._convert_for_fabric(module)
+            self._convert_for_fabric(module, one_grad_node=isinstance(strategy, SingleDeviceStrategy))
         return module
 
-    def _convert_for_fabric(self, module: Module) -> None:
-        self._convert_module(module)
+    def _convert_for_fabric(self, module: Module, one_grad_node: bool = False) -> None:
+        self._convert_module(module, one_grad_node=one_grad_node)
         names: Dict[Tensor, List[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             names.setdefault(param, []).append(name)
