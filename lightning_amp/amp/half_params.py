@@ -146,8 +146,11 @@ def half_copies(params: List[Tensor], dtype: torch.dtype, one_grad_node: bool) -
     trained = [param for param in params if param.requires_grad] if one_grad_node and torch.is_grad_enabled() else ()
     if not trained:
         return [param.to(dtype) for param in params]
-    copies = iter(_HalfCopies.apply(dtype, *trained))
-    return [next(copies) if param.requires_grad else param.to(dtype) for param in params]
+    copies = _HalfCopies.apply(dtype, *trained)
+    if len(trained) == len(params):
+        return list(copies)
+    remaining = iter(copies)
+    return [next(remaining) if param.requires_grad else param.to(dtype) for param in params]
 
 
 class _StalePlan(Exception):
