@@ -47,6 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.recompute import recompute_context
+from lightning_amp.amp.release import release_module_
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.gate import make_scheduler_skip_aware
@@ -135,6 +136,7 @@ class AmpPrecision(Precision):
                                  warn=rank_zero_warn)
         self._half_params: Optional[HalfParams] = None
         self._fsdp2_checked = False  # see _half_copies_by_fsdp2
+        self._converted: Optional[Module] = None  # the model convert_module prepared, until teardown
 
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
@@ -207,7 +209,16 @@ class AmpPrecision(Precision):
         self._use_device_type(trainer.strategy.root_device.type)
         refuse_strategy(self, trainer.strategy)
         self._convert_module(module, fsdp2=isinstance(trainer.strategy, ModelParallelStrategy))
+        self._converted = module
         return module
+
+    def teardown(self) -> None:
+        """End of a Trainer run: hand the model back as a plain module
+        (:func:`~lightning_amp.amp.release.release_module_`); the next run's ``convert_module`` prepares it again."""
+        module, self._converted = self._converted, None
+        if module is not None:
+            release_module_(module, self._properties)
+        super().teardown()
 
     def _convert_module(self, module: Module, fsdp2: bool = False) -> None:
         """Cast ``module`` in place for the level; ``fsdp2``: FSDP2 has sharded it (ModelParallelStrategy),
