@@ -158,7 +158,9 @@ def test_second_runs_with_the_same_plugin_prepare_the_model_again():
         _trainer(precision).fit(model)
         trainer = _trainer(precision)
         val = trainer.validate(model, verbose=False)[0]["val_loss"]
+        assert _hooks(model) == {}
         predictions = trainer.predict(model)
+        assert _hooks(model) == {}
         trainer.fit(model)
         assert _hooks(model) == {}
         results[isinstance(precision, str)] = (dict(model.named_parameters()), val, predictions)

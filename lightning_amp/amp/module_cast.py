@@ -159,10 +159,12 @@ def modules_outside_metrics(module: nn.Module) -> Iterator[nn.Module]:
     for metric in module.modules():
         if _is_metric(metric) and not _patched(metric):
             metric._apply = partial(_metric_apply, metric)  # a partial: deep copies and pickles follow the metric
-    return _outside_metrics(module)
+    return outside_metrics(module)
 
 
-def _outside_metrics(module: nn.Module) -> Iterator[nn.Module]:
+def outside_metrics(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its submodules, each once, leaving out every torchmetrics metric and everything
+    inside one; the metrics are not touched."""
     seen, stack = set(), [module]
     while stack:
         sub = stack.pop()

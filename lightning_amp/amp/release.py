@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_amp.amp.half_inputs import remove_half_inputs_hooks
 from lightning_amp.amp.levels import AmpProperties
-from lightning_amp.amp.module_cast import _outside_metrics, remove_cast_hooks_
+from lightning_amp.amp.module_cast import outside_metrics, remove_cast_hooks_
 
 
 @torch.no_grad()
@@ -36,7 +36,7 @@ def release_module_(module: nn.Module, props: AmpProperties) -> nn.Module:
     remove_cast_hooks_(module)
     remove_half_inputs_hooks(module)
     if props.cast_model and props.master_weights:
-        for sub in _outside_metrics(module):
+        for sub in outside_metrics(module):
             for name, buffer in sub._buffers.items():
                 if buffer is not None and buffer.dtype in (torch.float16, torch.bfloat16):
                     sub._buffers[name] = buffer.float()
