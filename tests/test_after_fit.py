@@ -174,7 +174,7 @@ def test_second_runs_with_the_same_plugin_prepare_the_model_again():
 def test_throughput_monitor_uses_the_peak_flops_of_the_compute_dtype(level, monkeypatch):
     """``ThroughputMonitor`` divides by the device's peak FLOP/s for the plugin's compute dtype. For
     plugins it does not know it took fp32's: the MFU logged under O1-O3 was against the fp32 peak (on
-    an H100 15x too high). Peaks are faked here (no GPU): what matters is the dtype asked for."""
+    an H100 SXM 15x too high, 2x with TF32 matmuls). Peaks are faked here (no GPU): what matters is the dtype asked for."""
     peaks = {torch.float32: 1e12, torch.bfloat16: 8e12}
     monkeypatch.setattr(throughput_monitor, "get_available_flops", lambda device, dtype: peaks[dtype])
     available = {}
