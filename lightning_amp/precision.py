@@ -47,6 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.recompute import recompute_context
+from lightning_amp.amp.release import release_module_
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.gate import make_scheduler_skip_aware
@@ -135,6 +136,7 @@ class AmpPrecision(Precision):
                                  warn=rank_zero_warn)
         self._half_params: Optional[HalfParams] = None
         self._fsdp2_checked = False  # see _half_copies_by_fsdp2
+        self._converted: Optional[Module] = None  # the model convert_module prepared, until teardown
 
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
@@ -209,7 +211,16 @@ class AmpPrecision(Precision):
         strategy = trainer.strategy
         self._convert_module(module, fsdp2=isinstance(strategy, ModelParallelStrategy),
                              one_grad_node=isinstance(strategy, SingleDeviceStrategy))
+        self._converted = module
         return module
+
+    def teardown(self) -> None:
+        """End of a Trainer run: hand the model back as a plain module
+        (:func:`~lightning_amp.amp.release.release_module_`); the next run's ``convert_module`` prepares it again."""
+        module, self._converted = self._converted, None
+        if module is not None:
+            release_module_(module, self._properties)
+        super().teardown()
 
     def _convert_module(self, module: Module, fsdp2: bool = False, one_grad_node: bool = False) -> None:
         """Cast ``module`` in place for the level; ``fsdp2``: FSDP2 has sharded it (ModelParallelStrategy),
@@ -440,6 +451,29 @@ def _no_opt_level(kwargs: Dict[str, Any], cls_name: str) -> None:
 _PLUGIN_NAMES = ("AmpPrecision", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin")
 _FABRIC_NAMES = {"AmpPrecision": "AmpPrecision", "AmpO0Plugin": "AmpO0Precision", "AmpO1Plugin": "AmpO1Precision",
                  "AmpO2Plugin": "AmpO2Precision", "AmpO3Plugin": "AmpO3Precision"}
+
+
+
+def _report_compute_dtype_to_throughput_monitor() -> None:
+    """Lightning's ``ThroughputMonitor`` reads the peak FLOP/s of the compute dtype it derives from the
+    precision plugin through a fixed list of Lightning's own plugins, any other counting as fp32: the
+    MFU it logged for O1-O3 was against the fp32 peak (an H100 SXM in Lightning's table: 67 TFLOP/s, 495
+    with TF32 matmuls, against 989 for bf16). Extend its lookup by our plugins (their half dtype; fp32
+    at O0). Wrapped, not replaced: other plugins get Lightning's answer."""
+    from lightning.pytorch.callbacks import throughput_monitor
+
+    lightnings = getattr(throughput_monitor, "_plugin_to_compute_dtype", None)
+    if lightnings is None or getattr(lightnings, "_lightning_amp", False):
+        return
+
+    def compute_dtype(plugin: Any) -> torch.dtype:
+        return plugin.properties.dtype if isinstance(plugin, AmpPrecision) else lightnings(plugin)
+
+    compute_dtype._lightning_amp = True  # type: ignore[attr-defined]
+    throughput_monitor._plugin_to_compute_dtype = compute_dtype
+
+
+_report_compute_dtype_to_throughput_monitor()
 
 __all__ = ["AmpPrecision", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin", "main_params",
            "make_scheduler_skip_aware", "OVERFLOW_WARN_AFTER"]

@@ -33,7 +33,8 @@ Lightning's ``bf16-true``.
 Hooks: one forward pre-hook (with kwargs) per module (loss modules excepted), registered on the
 first entry and again for modules added since (the walk reruns when
 :func:`~lightning_amp.amp.half_params.registration_count` moved); a module-level function, so
-pickling and deep copies follow the module. Outside the block it returns at once. Host cost: one
+pickling and deep copies follow the module. Outside the block it returns at once;
+:func:`remove_half_inputs_hooks` takes them off (the next entry puts them back). Host cost: one
 Python call per module call. Like the default dtype, the loss-module cast is process-wide while
 entered.
 """
@@ -50,7 +51,7 @@ from torch.nn.modules.loss import _Loss
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from lightning_amp.amp.half_params import reads_fp32, registration_count
-from lightning_amp.amp.module_cast import _is_metric, modules_outside_metrics, saturate
+from lightning_amp.amp.module_cast import _is_metric, modules_outside_metrics, remove_hook, saturate
 
 _WIDE = (torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -122,6 +123,15 @@ def _hook_new_modules(root: nn.Module, keep_batchnorm_fp32: bool) -> None:
         sub.register_forward_pre_hook(_inputs_to_half, with_kwargs=True)
         sub.__dict__[_HOOKED_ATTR] = True
     _module_counts[root] = count
+
+
+def remove_half_inputs_hooks(root: nn.Module) -> None:
+    """Take the input-cast hooks off ``root`` and its submodules; the next :func:`half_inputs` entry of
+    any root hooks its modules again."""
+    for sub in root.modules():
+        remove_hook(sub, _inputs_to_half)
+        sub.__dict__.pop(_HOOKED_ATTR, None)
+    _module_counts.clear()  # other roots sharing these modules must walk again too
 
 
 def _buffer_to_half(dtype: torch.dtype, keep_batchnorm_fp32: bool, module: nn.Module, name: str,

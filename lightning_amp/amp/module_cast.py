@@ -16,7 +16,8 @@
   namedtuples, lists, dicts and mappings of any subclass (``OrderedDict``, ``defaultdict``, HF
   ``ModelOutput``), dataclasses; optionally :func:`saturate`-ing at the half range.
 
-Calling these twice on one module is harmless: hooks are installed once.
+Calling these twice on one module is harmless: hooks are installed once. :func:`remove_cast_hooks_`
+takes every hook and patch of this module off again (what the plugin hands back after a run).
 """
 from __future__ import annotations
 
@@ -31,8 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-_BN_HOOKS_ATTR = "_lightning_amp_fp32_batchnorm_hooks"
-_OUTPUT_HOOK_ATTR = "_lightning_amp_output_cast_hook"
+_INPUT_DTYPE_ATTR = "_lightning_amp_input_dtype"
 
 
 @contextlib.contextmanager
@@ -84,22 +84,43 @@ def _cast_tensor(dtype: torch.dtype, tensor: Tensor) -> Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor  # complex and integer tensors stay
 
 
+def _is_hook(hook: Any, fn: Any) -> bool:
+    return hook is fn or (isinstance(hook, partial) and hook.func is fn)
+
+
+def has_hook(module: nn.Module, fn: Any) -> bool:
+    """Whether ``fn`` (or a ``functools.partial`` of it) is one of ``module``'s forward (pre-)hooks."""
+    return any(_is_hook(hook, fn) for hooks in (module._forward_pre_hooks, module._forward_hooks)
+               for hook in hooks.values())
+
+
+def remove_hook(module: nn.Module, fn: Any) -> None:
+    """Take ``fn`` (and every ``functools.partial`` of it) off ``module``'s forward (pre-)hooks. Found by
+    the function, not by a handle, so it also works on deep copies and unpickled modules."""
+    for hooks, flags in ((module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+                         (module._forward_hooks, (module._forward_hooks_with_kwargs,
+                                                  module._forward_hooks_always_called))):
+        for key in [key for key, hook in hooks.items() if _is_hook(hook, fn)]:
+            del hooks[key]
+            for flag in flags:
+                flag.pop(key, None)
+
+
 def _bn_input_to_fp32(module: nn.Module, args: tuple) -> tuple:
-    module._lightning_amp_input_dtype = args[0].dtype if args and isinstance(args[0], Tensor) else None
+    module.__dict__[_INPUT_DTYPE_ATTR] = args[0].dtype if args and isinstance(args[0], Tensor) else None
     return cast_floating(args, torch.float32)
 
 
 def _bn_output_to_input_dtype(module: nn.Module, args: tuple, output: Any) -> Any:
-    dtype = getattr(module, "_lightning_amp_input_dtype", None)
+    dtype = module.__dict__.get(_INPUT_DTYPE_ATTR)
     return output if dtype is None else cast_floating(output, dtype)
 
 
 def _keep_fp32_batchnorm(module: _BatchNorm) -> None:
-    if getattr(module, _BN_HOOKS_ATTR, None) is not None:
+    if has_hook(module, _bn_input_to_fp32):
         return
-    pre = module.register_forward_pre_hook(_bn_input_to_fp32)
-    post = module.register_forward_hook(_bn_output_to_input_dtype)
-    setattr(module, _BN_HOOKS_ATTR, (pre, post))
+    module.register_forward_pre_hook(_bn_input_to_fp32)
+    module.register_forward_hook(_bn_output_to_input_dtype)
 
 
 def cast_module_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool = False) -> nn.Module:
@@ -137,16 +158,24 @@ def _is_metric(module: nn.Module) -> bool:
                for cls in type(module).__mro__)
 
 
-def _metrics(module: nn.Module) -> Iterator[nn.Module]:
-    return (sub for sub in module.modules() if _is_metric(sub) and not isinstance(sub.__dict__.get("_apply"), partial))
+def _patched(metric: nn.Module) -> bool:
+    return isinstance(metric.__dict__.get("_apply"), partial) and metric.__dict__["_apply"].func is _metric_apply
 
 
 def modules_outside_metrics(module: nn.Module) -> Iterator[nn.Module]:
     """``module`` and its submodules, each once, leaving out every torchmetrics metric and everything
     inside one; the metrics found keep their own dtype from now on, also through later ``.to(dtype)``
-    calls of Lightning or the user (their ``_apply`` runs with the metric's dtype as the default)."""
-    for metric in _metrics(module):
-        metric._apply = partial(_metric_apply, metric)  # a partial: deep copies and pickles follow the metric
+    calls of Lightning or the user (their ``_apply`` runs with the metric's dtype as the default), until
+    :func:`remove_cast_hooks_`."""
+    for metric in module.modules():
+        if _is_metric(metric) and not _patched(metric):
+            metric._apply = partial(_metric_apply, metric)  # a partial: deep copies and pickles follow the metric
+    return outside_metrics(module)
+
+
+def outside_metrics(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its submodules, each once, leaving out every torchmetrics metric and everything
+    inside one; the metrics are not touched."""
     seen, stack = set(), [module]
     while stack:
         sub = stack.pop()
@@ -163,9 +192,18 @@ def _cast_output(dtype: torch.dtype, module: nn.Module, args: tuple, output: Any
 
 def cast_outputs_hook(module: nn.Module, dtype: Optional[torch.dtype]) -> None:
     """Make ``module``'s floating outputs ``dtype`` (a forward hook; ``None`` removes it)."""
-    handle = getattr(module, _OUTPUT_HOOK_ATTR, None)
-    if handle is not None:
-        handle.remove()
-        setattr(module, _OUTPUT_HOOK_ATTR, None)
+    remove_hook(module, _cast_output)
     if dtype is not None:
-        setattr(module, _OUTPUT_HOOK_ATTR, module.register_forward_hook(partial(_cast_output, dtype)))
+        module.register_forward_hook(partial(_cast_output, dtype))
+
+
+def remove_cast_hooks_(module: nn.Module) -> nn.Module:
+    """Take off ``module`` and its submodules what this module's functions put there: the output cast,
+    the fp32-BatchNorm hooks and the metrics' ``_apply``. The weights keep their dtypes; returns ``module``."""
+    for sub in module.modules():
+        if _patched(sub):
+            del sub.__dict__["_apply"]
+        for fn in (_cast_output, _bn_input_to_fp32, _bn_output_to_input_dtype):
+            remove_hook(sub, fn)
+        sub.__dict__.pop(_INPUT_DTYPE_ATTR, None)
+    return module
