@@ -132,6 +132,8 @@ class AmpPrecision(_TrainerAmpPrecision):
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
         self._engine.step(state.optimizer, lambda: None, clipping=False, **kwargs)
+        if self._half_params is not None:
+            self._half_params.refresh()  # a step inside `with fabric.autocast():`: the next forward sees it
         return result
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
