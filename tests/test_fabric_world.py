@@ -31,8 +31,8 @@ def _fabric(precision, **amp):
 
 
 def _train_demo_transformer(precision, in_autocast=False, **amp):
-    """Two SGD steps of Lightning's demo Transformer with the loss taken from the raw output, as Fabric's docs do;
-    ``in_autocast``: the whole loop inside one ``with fabric.autocast():``."""
+    """Two SGD steps of Lightning's demo Transformer; ``in_autocast``: the whole loop inside one
+    ``with fabric.autocast():``."""
     fabric = _fabric(precision, **amp)
     fabric.seed_everything(0)
     model = Transformer(vocab_size=50, nlayers=1, nhid=32, ninp=32, nhead=2, dropout=0.0)
@@ -51,14 +51,35 @@ def _train_demo_transformer(precision, in_autocast=False, **amp):
     return [p.detach().float() for p in model.parameters()], dtypes
 
 
+def _train_gpt2(precision, **amp):
+    """Two SGD steps of a tiny transformers GPT-2, the loss taken from its raw logits as a Fabric loop does."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    fabric = _fabric(precision, **amp)
+    fabric.seed_everything(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    dtypes = set()
+    for step in range(2):
+        ids = torch.randint(64, (4, 9), generator=torch.Generator().manual_seed(step))
+        logits = model(ids[:, :-1]).logits
+        dtypes.add(logits.dtype)
+        fabric.backward(F.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().float() for p in model.parameters()], dtypes
+
+
 @pytest.mark.parametrize("level, fabrics", [("O1", "bf16-mixed"), ("O3", "bf16-true")])
 def test_outputs_are_fp32_and_train_as_fabrics_own_precision(level, fabrics):
     """Fabric casts outputs to fp32 under its half precisions, so the loop's loss is fp32. O1 and O3 do too: O1
-    trains bitwise as bf16-mixed, O3 (torch's SGD step) as bf16-true; before, their bf16 outputs gave a bf16 loss
-    (O1 1.5e-4 from bf16-mixed after 2 steps, O3 7.8e-3 from bf16-true)."""
+    trains bitwise as bf16-mixed, O3 (torch's SGD step) as bf16-true; before, their bf16 logits gave a bf16 loss
+    (after 2 steps O1 was 1.5e-4 from bf16-mixed, O3 2.4e-4 from bf16-true)."""
     amp = {"fused_update": False} if level == "O3" else {}
-    ours, our_dtypes = _train_demo_transformer(level, dtype="bfloat16", **amp)
-    theirs, their_dtypes = _train_demo_transformer(fabrics)
+    ours, our_dtypes = _train_gpt2(level, dtype="bfloat16", **amp)
+    theirs, their_dtypes = _train_gpt2(fabrics)
     assert our_dtypes == their_dtypes == {torch.float32}
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
@@ -66,7 +87,7 @@ def test_outputs_are_fp32_and_train_as_fabrics_own_precision(level, fabrics):
 
 def test_explicit_cast_model_outputs_is_kept():
     """cast_model_outputs given by the user wins over Fabric's fp32 outputs."""
-    _, dtypes = _train_demo_transformer("O1", dtype="bfloat16", cast_model_outputs=torch.bfloat16)
+    _, dtypes = _train_gpt2("O1", dtype="bfloat16", cast_model_outputs=torch.bfloat16)
     assert dtypes == {torch.bfloat16}
 
 
