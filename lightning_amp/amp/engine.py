@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp.amp.levels import AmpProperties
-from lightning_amp.amp.master import param_name
+from lightning_amp.amp.master import optimizer_grads, param_name
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.amp.step import OptimizerStep, SkipReport, agree, unscales_in_step
 
@@ -51,6 +51,7 @@ class AmpEngine:
         self._skipped_before = 0  # skipped steps restored from a checkpoint for optimizers not present
         self._pending_state: Optional[dict] = None
         self.param_names: Dict[Tensor, List[str]] = {}
+        self._last_scale: Optional[Union[float, Tensor]] = None  # the scale of the last backward
         #: names of the params whose grads were non-finite at the last skipped step (this rank's view)
         self.last_nonfinite_params: List[str] = []
 
@@ -149,7 +150,14 @@ class AmpEngine:
                     return
 
     def _new_state(self, optimizer: torch.optim.Optimizer, scaler: LossScaler, combine_grad: bool) -> OptimizerStep:
-        return OptimizerStep(optimizer, scaler, combine_grad, self.fused_update, on_skip=self._on_skip)
+        """The step of ``optimizer``. Connected after a backward (Fabric connects an optimizer at its first
+        step; a GAN's second optimizer after the first one's step), the grads it holds were made at that
+        backward's scale, which then becomes their factor (grads accumulated over backwards at different
+        scales before their optimizer's first step cannot be told apart)."""
+        state = OptimizerStep(optimizer, scaler, combine_grad, self.fused_update, on_skip=self._on_skip)
+        if self._last_scale is not None and optimizer_grads(optimizer):
+            state.hold_grads_at(self._last_scale)
+        return state
 
     def state_of(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
@@ -166,6 +174,7 @@ class AmpEngine:
     def backward_scale(self) -> Union[float, Tensor]:
         """The scale of the next backward: a float when static, else the device tensor (no host read)."""
         if not self._states:
+            self._last_scale = 1.0
             return 1.0
         candidates = self._states
         if len(candidates) > 1:
@@ -179,6 +188,7 @@ class AmpEngine:
         for state in candidates:
             state.gate.poll()
             state.rebase(scale, shared=len(candidates) > 1)
+        self._last_scale = scale
         return scale
 
     def _on_skip(self, state: OptimizerStep, report: SkipReport) -> None:

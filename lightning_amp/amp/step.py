@@ -123,6 +123,11 @@ class OptimizerStep:
         self._factor_version = self.scaler.steps
         self._found = None
 
+    def hold_grads_at(self, factor: Factor) -> None:
+        """The grads held now carry the loss scale ``factor`` (made before this optimizer was connected)."""
+        self.grad_factor = factor.clone() if isinstance(factor, Tensor) else factor
+        self._factor_version = self.scaler.steps
+
     def _check(self, inv: Factor) -> Tensor:
         grads, = local_shards(optimizer_grads(self.optimizer))  # DTensor grads (FSDP2): this rank's shards
         if self.flat is not None and self.flat.views_intact() and len(grads) == len(self.flat.params):

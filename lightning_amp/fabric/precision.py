@@ -10,6 +10,7 @@ Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
 * Fabric never hands a precision plugin its optimizers: each optimizer is connected to the engine
   the first time the plugin sees it (``optimizer_step``, ``unscale_gradients``, i.e. the first
   ``optimizer.step()`` or ``fabric.clip_gradients``). Until then backwards run at scale 1.
+* ``convert_output``: floating outputs become fp32, as Fabric's own ``bf16-mixed``/``bf16-true`` make them.
 * ``backward`` multiplies the loss by the scale (Fabric drops what ``pre_backward`` returns).
 * ``optimizer.step()`` runs :meth:`AmpEngine.step`: unscale, agree on inf/nan across ranks, step or
   skip on the device. ``fabric.clip_gradients`` unscales first and clips the fp32 grads the optimizer
@@ -28,6 +29,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Generator, List, Optional
 
+import torch
 from lightning.fabric.strategies import SingleDeviceStrategy
 from torch import Tensor
 from torch.nn import Module
@@ -106,6 +108,14 @@ class AmpPrecision(_TrainerAmpPrecision):
             self._device_type = tensor.device.type
         return cast_floating(data, self._properties.dtype, saturating=True) if self._properties.cast_model else data
 
+    def convert_output(self, data: Any) -> Any:
+        """Floating outputs become torch's default dtype (fp32), as under every Fabric precision but
+        ``32-true``: the loss a loop computes from them is fp32 at O1 as under ``bf16-mixed``, at O3 as
+        under ``bf16-true`` (O2 casts them already). An explicit ``cast_model_outputs`` is kept."""
+        if self._request["cast_model_outputs"] is not None:
+            return data
+        return cast_floating(data, torch.get_default_dtype())
+
     def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Any:  # type: ignore[override]
         return None  # Fabric drops what this returns: the loss is scaled in backward()
 
@@ -125,6 +135,8 @@ class AmpPrecision(_TrainerAmpPrecision):
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
         self._engine.step(state.optimizer, lambda: None, clipping=False, **kwargs)
+        if self._half_params is not None:
+            self._half_params.refresh()  # a step inside `with fabric.autocast():`: the next forward sees it
         return result
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:

@@ -14,7 +14,8 @@ One process per device as ``"ddp"`` (gloo on CPU, nccl on CUDA); TP groups of
   projections) needs the optimizer built after ``fabric.setup_module(model)`` and passed to
   ``fabric.setup_optimizers``. One model per Fabric.
 * ``fabric.backward``: backward, then (unless inside ``fabric.no_backward_sync``) the DP all-reduce of
-  ``main_grad`` and ``p.grad = main_grad``; ``optimizer.step()`` then clears the buffer.
+  ``main_grad`` and ``p.grad = main_grad``; ``optimizer.step()`` then clears that optimizer's part of
+  the buffer, and ``optimizer.zero_grad()`` (without a step) clears it at the next backward.
 * ``fabric.clip_gradients(max_norm=...)`` clips to the norm of the whole model (shards summed over TP).
 * ``fabric.save`` / ``fabric.load``: full fp32 weights under the original keys and full-size
   optimizer state (collective: every rank calls them, as Fabric requires), so a checkpoint moves
@@ -150,15 +151,17 @@ class TensorParallelStrategy(DDPStrategy):
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         """Backward, then (outside ``no_backward_sync``) the DP reduction and ``p.grad = main_grad``,
         before the precision plugin's ``post_backward``."""
+        self.runtime.before_backward()  # before the loss scale re-bases the grads held
         self.precision.pre_backward(tensor, module)
         self.precision.backward(tensor, module, *args, **kwargs)
         self.runtime.finish_backward()
         self.precision.post_backward(tensor, module)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """The precision plugin's step, then ``main_grad`` and ``p.grad`` are cleared (taken or skipped)."""
+        """The precision plugin's step, then ``main_grad`` and ``p.grad`` of this optimizer's params are
+        cleared (taken or skipped)."""
         output = super().optimizer_step(optimizer, **kwargs)
-        self.runtime.after_step()
+        self.runtime.after_step(optimizer)
         return output
 
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],

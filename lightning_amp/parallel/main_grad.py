@@ -16,7 +16,12 @@ Contract:
   is exact either way.
 * :meth:`expose_grads` sets ``p.grad`` to ``p.main_grad`` (fp32 params: the view itself; 16-bit
   params: a cast copy) so any torch optimizer and gradient clipping work; :meth:`zero` clears
-  the buffer and every ``p.grad`` (after the optimizer step).
+  ``main_grad`` and ``p.grad`` of the params it is given (an optimizer's, after its step; all by default).
+* What the user does to an exposed ``p.grad`` is what ``main_grad`` holds at the next backward
+  (:meth:`reclaim`, called before it): cleared (``optimizer.zero_grad()``, set to None) zeroes that
+  param's ``main_grad``; a written 16-bit copy (zeroed in place, clipped) or an assigned tensor is
+  copied into it; an fp32 view still held keeps accumulating (autograd adds into it in place, the hook
+  does not add it twice).
 """
 from __future__ import annotations
 
@@ -74,6 +79,8 @@ class MainGradBuffer:
         if members:
             self._close_bucket(start, offset, members)
         self.sync_enabled = True
+        self._exposed: list[tuple[nn.Parameter, Tensor, int]] = []  # (param, grad exposed, its version)
+        self._held: set[int] = set()  # params whose exposed fp32 view autograd accumulates into in place
         self._reset_round()
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate_hook) for p in unique]
         for p in unique:
@@ -95,9 +102,15 @@ class MainGradBuffer:
 
     # ---------------------------------------------------------------- hooks
     def _accumulate_hook(self, p: nn.Parameter) -> None:
-        if p.grad is None:
+        grad = p.grad
+        if grad is None:
             return
-        self._add(p, p.grad)
+        if id(p) in self._held:  # autograd accumulated into the exposed main_grad view (see reclaim)
+            self._held.discard(id(p))
+            if grad is not p.main_grad:  # out of place (create_graph): old + new
+                p.main_grad.copy_(grad)
+        else:
+            self._add(p, grad)
         p.grad = None
         self._mark_ready(p)
 
@@ -160,13 +173,44 @@ class MainGradBuffer:
 
     def expose_grads(self) -> None:
         """Point every ``p.grad`` at its ``main_grad`` (cast for 16-bit params)."""
+        self._exposed = []
         for p in self.params:
             p.grad = p.main_grad if p.dtype == torch.float32 else p.main_grad.to(p.dtype)
+            self._exposed.append((p, p.grad, p.grad._version))
 
-    def zero(self) -> None:
-        self.buffer.zero_()
-        for p in self.params:
+    def reclaim(self) -> None:
+        """Before a backward: make ``main_grad`` what the user left in the exposed ``p.grad`` (see the
+        module docstring), so that ``optimizer.zero_grad()`` without a step clears what it names."""
+        self._held = set()
+        for p, exposed, version in self._exposed:
+            grad = p.grad
+            if grad is p.main_grad:
+                self._held.add(id(p))
+                continue
+            if grad is None:
+                p.main_grad.zero_()
+            elif grad is not exposed or grad._version != version:
+                p.main_grad.copy_(grad)
             p.grad = None
+        self._exposed = []
+
+    def zero(self, params: Optional[Iterable[nn.Parameter]] = None) -> None:
+        """Clear ``main_grad`` and ``p.grad`` of ``params`` (those in this buffer; all when None)."""
+        if params is None:
+            self.buffer.zero_()
+            cleared = self.params
+        else:
+            ids = {id(p) for p in params}
+            cleared = [p for p in self.params if id(p) in ids]
+            if len(cleared) == len(self.params):
+                self.buffer.zero_()
+            elif cleared:
+                torch._foreach_zero_([p.main_grad for p in cleared])
+        for p in cleared:
+            p.grad = None
+        ids = {id(p) for p in cleared}
+        self._exposed = [e for e in self._exposed if id(e[0]) not in ids]
+        self._held -= ids
         self._reset_round()
 
     def remove_hooks(self) -> None:

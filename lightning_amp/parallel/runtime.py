@@ -9,8 +9,9 @@ buffer and the checkpoint layout. A strategy calls, in order:
 2. :meth:`~TensorParallelRuntime.convert`: rank 0's weights broadcast, the plan applied in place
    (this rank's slice of the existing weights), the RNG agreed within the TP group;
 3. :meth:`~TensorParallelRuntime.attach_grad_buffer` once the params have their final dtype;
-4. per step: backward, :meth:`~TensorParallelRuntime.finish_backward` (DP all-reduce, ``p.grad`` =
-   ``main_grad``), the optimizer step, :meth:`~TensorParallelRuntime.after_step` (buffer cleared);
+4. per step: :meth:`~TensorParallelRuntime.before_backward`, backward,
+   :meth:`~TensorParallelRuntime.finish_backward` (DP all-reduce, ``p.grad`` = ``main_grad``), each
+   optimizer's step, :meth:`~TensorParallelRuntime.after_step` (that optimizer's part of the buffer cleared);
    :meth:`~TensorParallelRuntime.no_sync` around the backwards of micro-batches before the last.
 
 Checkpoints hold the full tensors in the original module's layout (fp32 weights; optimizer states
@@ -148,6 +149,12 @@ class TensorParallelRuntime:
             self.grad_buffer = None
 
     # ------------------------------------------------------------------ the step
+    def before_backward(self) -> None:
+        """Before each backward: ``main_grad`` takes what was done to the exposed ``p.grad`` since the last
+        one (``optimizer.zero_grad()`` without a step clears it; see :meth:`MainGradBuffer.reclaim`)."""
+        if self.grad_buffer is not None:
+            self.grad_buffer.reclaim()
+
     def finish_backward(self) -> None:
         """After a synced backward: complete the reductions and point every ``p.grad`` at its ``main_grad``."""
         buffer = self.grad_buffer
@@ -167,10 +174,11 @@ class TensorParallelRuntime:
         finally:
             self.grad_buffer.sync_enabled = True
 
-    def after_step(self) -> None:
-        """Clear ``main_grad`` and every ``p.grad`` (after the optimizer step, taken or skipped)."""
+    def after_step(self, optimizer: Optional[Optimizer] = None) -> None:
+        """Clear ``main_grad`` and ``p.grad`` of ``optimizer``'s params (all when None) after its step,
+        taken or skipped: another optimizer's grads in the same buffer wait for its own step."""
         if self.grad_buffer is not None:
-            self.grad_buffer.zero()
+            self.grad_buffer.zero(None if optimizer is None else _params(optimizer))
 
     def clip_grad_norm(self, params: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip to the norm of the whole (unsharded) model; returns that norm before clipping."""

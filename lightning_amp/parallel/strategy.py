@@ -161,6 +161,7 @@ class TensorParallelStrategy(DDPStrategy):
         ``post_backward`` (``p.grad`` is the exposed fp32 ``main_grad`` by then)."""
         module = self.lightning_module
         self.pre_backward(closure_loss)
+        self.runtime.before_backward()  # before the loss scale re-bases the grads held
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self.runtime.finish_backward()
@@ -182,7 +183,7 @@ class TensorParallelStrategy(DDPStrategy):
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.runtime.after_step()
+        self.runtime.after_step(optimizer)
         return output
 
     # ------------------------------------------------------------------ checkpoints
