@@ -6,10 +6,9 @@ is negligible, so what is timed is what each precision adds per forward and back
 * ``bf16-true``: the model cast to bf16 (Lightning's ``bf16-true``);
 * ``bf16-mixed``: fp32 params under ``torch.autocast`` (Lightning's ``bf16-mixed``: a cast of every
   weight per forward inside autocast, and of every grad back in backward);
-* ``O2``: fp32 params seen as half copies made by one autograd node (``HalfParams(one_grad_node=True)``),
-  half default dtype and input casts (``half_inputs``): O2's forward context on a single device;
-* ``O2 DDP``: the same with one cast node per param, as O2 runs under data parallelism;
-* ``O2+autocast``: one node per param under ``torch.autocast`` instead of the input casts (O2's former forward).
+* ``O2``: fp32 params seen as half copies (``HalfParams``), half default dtype and input casts
+  (``half_inputs``): O2's forward context as shipped;
+* ``O2+autocast``: the same under ``torch.autocast`` instead of the input casts (O2's former forward).
 
 Configurations are interleaved round after round; the median CPU time of the thread per
 forward+backward is printed with its ratio to ``bf16-true``::
@@ -42,8 +41,7 @@ def _configs():
     fp32 = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     half = copy.deepcopy(fp32).to(HALF)
     o2 = prepare_o2_module_(copy.deepcopy(fp32), HALF, keep_batchnorm_fp32=True)
-    copies = HalfParams(o2, HALF, keep_batchnorm_fp32=True, watch_writes=False, one_grad_node=True)
-    per_param = HalfParams(o2, HALF, keep_batchnorm_fp32=True, watch_writes=False)
+    copies = HalfParams(o2, HALF, keep_batchnorm_fp32=True, watch_writes=False)
     x = torch.randn(BATCH, WIDTH)
 
     def true():
@@ -59,17 +57,12 @@ def _configs():
             loss = o2(x.to(HALF)).float().square().mean()
         loss.backward()
 
-    def o2_ddp():
-        with per_param, default_dtype(HALF), half_inputs(o2, HALF, keep_batchnorm_fp32=True):
-            loss = o2(x.to(HALF)).float().square().mean()
-        loss.backward()
-
     def o2_autocast():
-        with per_param, default_dtype(HALF), torch.autocast("cpu", dtype=HALF, cache_enabled=False):
+        with copies, default_dtype(HALF), torch.autocast("cpu", dtype=HALF, cache_enabled=False):
             loss = o2(x.to(HALF)).float().square().mean()
         loss.backward()
 
-    return {"bf16-true": true, "bf16-mixed": mixed, "O2": o2_shipped, "O2 DDP": o2_ddp, "O2+autocast": o2_autocast}
+    return {"bf16-true": true, "bf16-mixed": mixed, "O2": o2_shipped, "O2+autocast": o2_autocast}
 
 
 def main(argv=None) -> int:

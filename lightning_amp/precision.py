@@ -41,7 +41,7 @@ from torch.optim import LBFGS, Optimizer
 import lightning.pytorch as pl
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -208,9 +208,7 @@ class AmpPrecision(Precision):
             )
         self._use_device_type(trainer.strategy.root_device.type)
         refuse_strategy(self, trainer.strategy)
-        strategy = trainer.strategy
-        self._convert_module(module, fsdp2=isinstance(strategy, ModelParallelStrategy),
-                             one_grad_node=isinstance(strategy, SingleDeviceStrategy))
+        self._convert_module(module, fsdp2=isinstance(trainer.strategy, ModelParallelStrategy))
         self._converted = module
         return module
 
@@ -222,11 +220,9 @@ class AmpPrecision(Precision):
             release_module_(module, self._properties)
         super().teardown()
 
-    def _convert_module(self, module: Module, fsdp2: bool = False, one_grad_node: bool = False) -> None:
+    def _convert_module(self, module: Module, fsdp2: bool = False) -> None:
         """Cast ``module`` in place for the level; ``fsdp2``: FSDP2 has sharded it (ModelParallelStrategy),
-        so under master weights FSDP2's policy all-gathers the fp32 shards as the half copies, not HalfParams;
-        ``one_grad_node``: a single device, where O2's copies come out of one autograd node (no per-param
-        grad hooks of data parallelism to overlap; :mod:`lightning_amp.amp.half_params`)."""
+        so under master weights FSDP2's policy all-gathers the fp32 shards as the half copies, not HalfParams."""
         props = self._properties
         self._fsdp2_checked = False
         if props.opt_level == "O0":
@@ -236,8 +232,7 @@ class AmpPrecision(Precision):
                 fsdp2_half_compute_(module, props.dtype, props.keep_batchnorm_fp32)  # refuses half params first
             prepare_o2_module_(module, props.dtype, props.keep_batchnorm_fp32)
             if not fsdp2:
-                self._half_params = HalfParams(module, props.dtype, props.keep_batchnorm_fp32,
-                                               one_grad_node=one_grad_node)
+                self._half_params = HalfParams(module, props.dtype, props.keep_batchnorm_fp32)
         elif props.cast_model:
             cast_module_(module, props.dtype, props.keep_batchnorm_fp32)
             for sub in module.modules():

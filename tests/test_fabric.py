@@ -155,30 +155,3 @@ def test_fsdp1_in_trainer_refuses_our_plugins_naming_them():
     with pytest.raises(TypeError, match=r"FSDPPrecision.*AmpO2Plugin\(opt_level='O2', dtype=torch\.bfloat16"):
         L.Trainer(accelerator="cuda", devices=1, strategy="fsdp", plugins=[AmpO2Plugin(dtype="bfloat16")])
 
-
-_DDP_PROBE = """
-import lightning as L, torch
-from lightning_amp.fabric import AmpO2Precision
-plugin = AmpO2Precision()
-fabric = L.Fabric(accelerator="cpu", devices=1, strategy="ddp", plugins=[plugin])
-fabric.launch()
-fabric.setup_module(torch.nn.Linear(3, 3))
-print("one_grad_node", plugin._half_params.one_grad_node)
-"""
-
-
-def test_o2_copies_come_from_one_grad_node_only_on_a_single_device():
-    """Fabric's plugin reads the calling Fabric's strategy: one autograd node for the copies on one device;
-    under DDP (a separate process: it initialises torch.distributed) every param keeps its own cast node,
-    so DDP's per-param hooks overlap the backward."""
-    plugin = AmpO2Precision()
-    L.Fabric(accelerator="cpu", devices=1, plugins=[plugin]).setup_module(torch.nn.Linear(3, 3))
-    assert plugin._half_params.one_grad_node is True
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["MASTER_ADDR"] = "127.0.0.1"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        env["MASTER_PORT"] = str(sock.getsockname()[1])
-    proc = subprocess.run([sys.executable, "-c", _DDP_PROBE], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "one_grad_node False" in proc.stdout

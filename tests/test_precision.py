@@ -2,7 +2,6 @@
 import copy
 import logging
 import pickle
-import types
 import warnings
 
 import lightning as L
@@ -750,16 +749,3 @@ def test_scaler_keywords_with_a_fixed_scale_raise_or_warn():
         AmpO2Plugin(dtype="bfloat16", loss_scale="dynamic", growth_interval=10)
         AmpO2Plugin(dtype="bfloat16", loss_scale=1.0)  # nothing given
 
-
-@pytest.mark.parametrize("strategy, one_node", [
-    (lambda: L.pytorch.strategies.SingleDeviceStrategy(torch.device("cpu")), True),
-    (lambda: L.pytorch.strategies.DDPStrategy(parallel_devices=[torch.device("cpu")]), False),
-], ids=["single-device", "ddp"])
-def test_o2_copies_come_from_one_grad_node_only_on_a_single_device(strategy, one_node):
-    """Under data parallelism every param keeps its own cast node, so DDP's per-param hooks fire as
-    backward reaches each one (bucket overlap) and its unused-parameter search stays exact."""
-    model = nn.Linear(4, 4)
-    model._trainer = types.SimpleNamespace(strategy=strategy())
-    plugin = AmpO2Plugin()
-    plugin.convert_module(model)
-    assert plugin._half_params.one_grad_node is one_node

@@ -31,17 +31,6 @@ Contract (see docs/o2-design.md for why):
   attribute* inside the block (``self.weight.copy_(...)`` in ``training_step``) lands on the half
   copy, not on the Parameter; write through ``self.parameters()`` there.
 
-* ``one_grad_node=True`` (the plugins choose it on a single device): the copies of all params that
-  require grad come out of one autograd node (:class:`_HalfCopies`), whose backward casts every half
-  grad back to fp32 at once when backward reaches it, instead of one ``ToCopyBackward`` node per param.
-  Same values bit for bit, and the graph still reaches every Parameter (``torch.autograd.grad``
-  w.r.t. a Parameter, its tensor hooks, double backward all work), but autograd runs one node instead
-  of one per param, whose overhead is most of the host time the casts add (figures in
-  docs/o2-design.md). The cost: every param's grad lands when the whole backward is done, so DDP-like
-  per-param hooks cannot overlap their reductions with backward (and DDP's unused-parameter search
-  would see every param as used): under data parallelism the plugins keep one node per param. The
-  half grads are held until that node runs: +2 bytes per param at the end of backward.
-
 Host cost per forward: one cast per param and one dict write per slot, in one loop over a plan
 that is rebuilt only when a module or parameter is registered anywhere (torch's global
 registration hooks) or a slot no longer holds its param. Memory: the half copies live only while
@@ -125,34 +114,6 @@ class _Entry:
         self.version = -1
 
 
-class _HalfCopies(torch.autograd.Function):
-    """``apply(dtype, *params)``: the params cast to ``dtype``, as one autograd node whose backward
-    casts each half grad back to its param's dtype (None for copies the graph did not use)."""
-
-    @staticmethod
-    def forward(ctx, dtype: torch.dtype, *params: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
-        ctx.set_materialize_grads(False)
-        ctx.dtypes = [param.dtype for param in params]
-        return tuple(param.to(dtype) for param in params)
-
-    @staticmethod
-    def backward(ctx, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        return (None,) + tuple(None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.dtypes))
-
-
-def half_copies(params: List[Tensor], dtype: torch.dtype, one_grad_node: bool) -> List[Tensor]:
-    """``params`` cast to ``dtype`` as autograd ops: one ``ToCopyBackward`` node per param, or with
-    ``one_grad_node`` one :class:`_HalfCopies` node for all that require grad (see the module docstring)."""
-    trained = [param for param in params if param.requires_grad] if one_grad_node and torch.is_grad_enabled() else ()
-    if not trained:
-        return [param.to(dtype) for param in params]
-    copies = _HalfCopies.apply(dtype, *trained)
-    if len(trained) == len(params):
-        return list(copies)
-    remaining = iter(copies)
-    return [next(remaining) if param.requires_grad else param.to(dtype) for param in params]
-
-
 class _StalePlan(Exception):
     """A slot no longer holds the param the plan recorded (``_parameters`` written directly)."""
 
@@ -166,14 +127,12 @@ class HalfParams:
         keep_batchnorm_fp32: BatchNorm modules keep reading their fp32 Parameters.
         watch_writes: recast, before each module forward inside the block, copies whose param was
             written or whose ``requires_grad`` changed since they were made (manual optimization).
-        one_grad_node: make the copies of all trained params with one autograd node (single device;
-            see the module docstring), not one cast node per param (data parallel: DDP's overlap).
     """
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
-                 watch_writes: bool = True, one_grad_node: bool = False) -> None:
+                 watch_writes: bool = True) -> None:
         self.module, self.dtype, self.keep_batchnorm_fp32 = module, dtype, keep_batchnorm_fp32
-        self.watch_writes, self.one_grad_node = watch_writes, one_grad_node
+        self.watch_writes = watch_writes
         self._plan: List[_Entry] = []
         self._by_module: Dict[int, List[Tuple[str, _Entry]]] = {}
         self._built_at = -1
@@ -227,23 +186,24 @@ class HalfParams:
             self._install_plan()
 
     def _install_plan(self) -> None:
-        fp32 = torch.float32
-        self._installed = installed = [entry for entry in self._plan if entry.param.dtype is fp32]
-        halves = half_copies([entry.param for entry in installed], self.dtype, self.one_grad_node)
-        for entry, half in zip(installed, halves):
+        dtype, fp32, installed = self.dtype, torch.float32, self._installed
+        for entry in self._plan:
             param = entry.param
+            if param.dtype is not fp32:
+                continue
+            half = param.to(dtype)
+            installed.append(entry)
             for params, attrs, name in entry.slots:
                 if params.get(name) is not param:
                     raise _StalePlan
                 attrs[name] = half
             entry.version = param._version
 
-    def _recast(self, entries: List[_Entry]) -> None:
-        halves = half_copies([entry.param for entry in entries], self.dtype, self.one_grad_node)
-        for entry, half in zip(entries, halves):
-            for _, attrs, name in entry.slots:
-                attrs[name] = half
-            entry.version = entry.param._version
+    def _recast(self, entry: _Entry) -> None:
+        half = entry.param.to(self.dtype)
+        for _, attrs, name in entry.slots:
+            attrs[name] = half
+        entry.version = entry.param._version
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         """Before each module's forward inside the block: recast a copy whose param was written since
@@ -253,23 +213,21 @@ class HalfParams:
             return
         grad_on = torch.is_grad_enabled()
         attrs = module.__dict__
-        stale = []
         for name, entry in held:
             half = attrs.get(name)
             if half is None:
                 continue
             param = entry.param
             if param._version != entry.version or half.requires_grad != (param.requires_grad and grad_on):
-                stale.append(entry)
-        if stale:
-            self._recast(stale)
+                self._recast(entry)
 
     def refresh(self) -> None:
         """Inside the block, copy every param again (the plugin calls it after each optimizer step:
         a manual step inside ``training_step`` need not bump the version counters). Outside, nothing
         to do: the next entry copies them."""
         if self._depth > 0:
-            self._recast(self._installed)
+            for entry in self._installed:
+                self._recast(entry)
 
     def _remove(self) -> None:
         if self._hook is not None:

@@ -30,7 +30,6 @@ import sys
 from typing import Any, Dict, Generator, List, Optional
 
 import torch
-from lightning.fabric.strategies import SingleDeviceStrategy
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
@@ -66,14 +65,13 @@ class AmpPrecision(_TrainerAmpPrecision):
             name = _TRAINER_NAMES.get(type(self).__name__, "AmpPrecision")
             raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
                             f"lightning_amp.{name}(...): `Trainer(plugins=[{name}()])`.")
-        strategy = _calling_fabric_strategy()
-        refuse_strategy(self, strategy)
+        refuse_strategy(self, _calling_fabric_strategy())
         if not self._converted_by_strategy:
-            self._convert_for_fabric(module, one_grad_node=isinstance(strategy, SingleDeviceStrategy))
+            self._convert_for_fabric(module)
         return module
 
-    def _convert_for_fabric(self, module: Module, one_grad_node: bool = False) -> None:
-        self._convert_module(module, one_grad_node=one_grad_node)
+    def _convert_for_fabric(self, module: Module) -> None:
+        self._convert_module(module)
         names: Dict[Tensor, List[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             names.setdefault(param, []).append(name)
