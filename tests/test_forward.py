@@ -187,6 +187,11 @@ def test_saturate_keeps_fp32_masks_finite_and_in_range_values_exact(dtype):
     assert torch.isnan(saturate(torch.tensor([float("nan")]), dtype)).all()
     values = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 100
     assert torch.equal(saturate(values, dtype), values.to(dtype))
+    wide = torch.tensor([1.5, -2.0, 1e38, -1e38], requires_grad=True)  # 1e38 is beyond fp16, within bf16
+    saturate(wide, dtype).float().sum().backward()
+    beyond = 1.0 if dtype == BF16 else 0.0
+    assert wide.grad.tolist() == [1.0, 1.0, beyond, beyond]  # as through a clamp
+    assert wide.tolist()[2] == pytest.approx(1e38)  # the input itself is untouched
 
 
 def test_half_inputs_hooks_survive_deepcopy_and_pickle_and_bad_dtype_is_refused():

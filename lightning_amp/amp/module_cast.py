@@ -49,9 +49,11 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def saturate(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     """``tensor`` cast to the half ``dtype``, values beyond its range (±inf included) clamped to
     ±``finfo(dtype).max``; NaN stays NaN. An additive attention mask at ``finfo(float32).min``
-    becomes ``finfo(dtype).min``, not ``-inf``, so a fully masked softmax row stays finite."""
+    becomes ``finfo(dtype).min``, not ``-inf``, so a fully masked softmax row stays finite. The
+    overflow is fixed in the half result (no full-size fp32 temporary); autograd passes the grad of
+    the values in range, as through a clamp."""
     info = torch.finfo(dtype)
-    return tensor.clamp(info.min, info.max).to(dtype)
+    return tensor.to(dtype, copy=True).nan_to_num_(nan=float("nan"), posinf=info.max, neginf=info.min)
 
 
 def cast_floating(data: Any, dtype: torch.dtype, saturating: bool = False) -> Any:
