@@ -46,8 +46,6 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp import forward as amp_forward
-from lightning_amp.amp.recompute import recompute_context
-from lightning_amp.amp.release import release_module_
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.gate import make_scheduler_skip_aware
@@ -55,6 +53,8 @@ from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
 from lightning_amp.amp.levels import AmpProperties, check_scaler_keywords, resolve_properties
 from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
+from lightning_amp.amp.recompute import recompute_context
+from lightning_amp.amp.release import release_module_
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.amp.step import OptimizerStep
 from lightning_amp.unsupported import refuse_strategy
@@ -448,7 +448,6 @@ _FABRIC_NAMES = {"AmpPrecision": "AmpPrecision", "AmpO0Plugin": "AmpO0Precision"
                  "AmpO2Plugin": "AmpO2Precision", "AmpO3Plugin": "AmpO3Precision"}
 
 
-
 def _report_compute_dtype_to_throughput_monitor() -> None:
     """Lightning's ``ThroughputMonitor`` reads the peak FLOP/s of the compute dtype it derives from the
     precision plugin through a fixed list of Lightning's own plugins, any other counting as fp32: the
@@ -469,6 +468,7 @@ def _report_compute_dtype_to_throughput_monitor() -> None:
 
 
 _report_compute_dtype_to_throughput_monitor()
+
 
 __all__ = ["AmpPrecision", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin", "main_params",
            "make_scheduler_skip_aware", "OVERFLOW_WARN_AFTER"]

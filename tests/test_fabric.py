@@ -154,4 +154,3 @@ def test_fsdp1_in_fabric_refuses_our_plugins_naming_them():
 def test_fsdp1_in_trainer_refuses_our_plugins_naming_them():
     with pytest.raises(TypeError, match=r"FSDPPrecision.*AmpO2Plugin\(opt_level='O2', dtype=torch\.bfloat16"):
         L.Trainer(accelerator="cuda", devices=1, strategy="fsdp", plugins=[AmpO2Plugin(dtype="bfloat16")])
-

@@ -137,7 +137,6 @@ def test_without_watching_writes_no_hook_runs_inside_the_block():
         assert half._hook is not None
 
 
-
 def _bert():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -748,4 +748,3 @@ def test_scaler_keywords_with_a_fixed_scale_raise_or_warn():
         AmpO2Plugin(dtype="float16", init_scale=2.0**10)  # dynamic: used
         AmpO2Plugin(dtype="bfloat16", loss_scale="dynamic", growth_interval=10)
         AmpO2Plugin(dtype="bfloat16", loss_scale=1.0)  # nothing given
-
