@@ -12,6 +12,7 @@
 
 #include "checks.h"
 #include "kernels.h"
+#include "o2_policy.h"
 
 // ==== BEGIN fused-optimizer declarations (owned by the fused-optimizers helper) ====
 // Declare the optimizer entry points defined in your own csrc/cpu/*.cpp / csrc/cuda/*.cu here.
@@ -165,6 +166,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_wgrad_cpu_gemm_policy", &lamp::cpu::set_wgrad_cpu_gemm_policy, py::arg("policy"));
   m.def("_set_wgrad_k_chunk", &lamp::cpu::set_wgrad_k_chunk, py::arg("rows"));
   m.def("_wgrad_k_chunk", &lamp::cpu::wgrad_k_chunk);
+
+  // O2's autocast policy (csrc/o2_policy.h). install() registers over torch's autocast kernels, which
+  // warns once per process (routed to Python's warnings, where lightning_amp.ops filters it).
+  m.def("o2_install", [](const std::string& mode) {
+    HANDLE_TH_ERRORS
+    lamp::o2::install(mode);
+    END_HANDLE_TH_ERRORS_PYBIND
+  }, py::arg("mode"));
+  m.def("o2_uninstall", &lamp::o2::uninstall);
+  m.def("o2_installs", &lamp::o2::installs);
+  m.def("o2_enter_forward", &lamp::o2::enter_forward);
+  m.def("o2_exit_forward", &lamp::o2::exit_forward);
+  m.def("o2_active", &lamp::o2::active);
+  m.def("o2_share_begin", &lamp::o2::share_begin);
+  m.def("o2_share_join", &lamp::o2::share_join, py::arg("token"));
+  m.def("o2_share_end", &lamp::o2::share_end);
+  m.def("o2_table", &lamp::o2::table);
 
   // ==== BEGIN fused-optimizer bindings (owned by the fused-optimizers helper) ====
   // Add the optimizer m.def(...) lines here.

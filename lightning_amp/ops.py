@@ -95,6 +95,12 @@ def extension_path() -> Optional[str]:
     return getattr(_EXT, "__file__", None)
 
 
+def extension_module():
+    """The loaded compiled extension, or None (for the parts that are no per-device op: O2's autocast
+    policy, :mod:`lightning_amp.amp.o2_policy`)."""
+    return _EXT
+
+
 def _ext_for(device: torch.device | str):
     """The extension module if it has kernels for ``device``, else None."""
     if _EXT is None:

@@ -1,11 +1,12 @@
 """AmpPrecision and AmpO0Plugin..AmpO3Plugin: the thin Lightning adapter over ``lightning_amp.amp``.
 
 Hook order: ``convert_module`` (cast the model in place; under master weights (O2) the params stay
-fp32 and only buffers become half, :mod:`lightning_amp.amp.half_params`) -> ``connect`` (the
+fp32, :func:`~lightning_amp.amp.module_cast.prepare_o2_module_`, and O2's op policy is registered
+until ``teardown``, :mod:`lightning_amp.amp.o2_policy`) -> ``connect`` (the
 :class:`~lightning_amp.amp.engine.AmpEngine`: one LossScaler and one
 :class:`~lightning_amp.amp.step.OptimizerStep` per optimizer; step-interval LR schedulers made
-skip-aware) -> per step ``convert_input``, ``forward_context`` (O2: half copies of the params),
-``pre_backward`` (loss * scale), ``optimizer_step``.
+skip-aware) -> per step ``convert_input``, ``forward_context`` (:mod:`lightning_amp.amp.forward`),
+``pre_backward`` (loss * scale), ``optimizer_step`` -> ``teardown`` (the model handed back plain).
 
 ``optimizer_step``: run the closure, unscale or, for optimizers that
 unscale in their kernel (``_step_supports_amp_scaling``) when no clipping is requested, only check
@@ -20,7 +21,7 @@ for the drivers and the one host read of the first step). Non-finite grads are s
 level and scale, static 1.0 and bf16 included.
 
 Under O2 the optimizer holds the module's own fp32 Parameters and their grads are fp32 (the
-half copies forward used hand their grads back through autograd's cast), so ``p.grad``,
+half copies autocast makes in forward hand their grads back through autograd's cast), so ``p.grad``,
 ``grad_norm`` and clipping see what the optimizer steps on, unscaled in
 ``on_before_optimizer_step`` as with Lightning's ``16-mixed``. Under ``ModelParallelStrategy`` (FSDP2) the half
 copies are FSDP2's own: every ``fully_shard`` group all-gathers its fp32 shards as half for compute
@@ -49,10 +50,10 @@ from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.gate import make_scheduler_skip_aware
-from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
 from lightning_amp.amp.levels import AmpProperties, check_scaler_keywords, resolve_properties
 from lightning_amp.amp.master import optimizer_params
-from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
+from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook, prepare_o2_module_
+from lightning_amp.amp.o2_policy import PolicyHold, hold as hold_o2_policy
 from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.release import release_module_
 from lightning_amp.amp.scaler import LossScaler
@@ -79,14 +80,19 @@ class AmpPrecision(Precision):
     """Apex-style mixed precision (opt levels O0-O3) as a Lightning precision plugin.
 
     Args:
-        opt_level: "O0" (fp32), "O1" (autocast + cast lists), "O2" (fp32 params seen as half copies
-            in forward, half buffers, fp32 BatchNorm, fp32 grads and update), "O3" (pure half).
+        opt_level: "O0" (fp32), "O1" (autocast + cast lists), "O2" (fp32 params, forward under autocast
+            with norms, softmax and activations kept half, fp32 BatchNorm, fp32 grads and update),
+            "O3" (pure half).
         dtype: "float16", "bfloat16", a torch dtype, or "auto" (bfloat16 on CPU and on CUDA
             devices that support it, else float16).
         loss_scale: a positive static scale or "dynamic"; None is the level's default (1.0 with
             bfloat16).
         keep_batchnorm_fp32, master_weights, cast_model_outputs: overrides of the level's
             defaults (None keeps them); contradictions raise ValueError.
+        half_buffers: O2: store the model's floating buffers in the half dtype (default False: they
+            keep the dtype the model gave them).
+        norm_policy: O2's forward: "half" (default: norms, softmax and activations in the half dtype,
+            as ``bf16-true``) or "fp32" (torch's autocast lists, as ``bf16-mixed``).
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
         min_loss_scale, max_loss_scale: the dynamic :class:`~lightning_amp.amp.scaler.LossScaler`.
         combine_grad: the grads of the params each optimizer steps on live as views in one flat
@@ -109,6 +115,8 @@ class AmpPrecision(Precision):
         keep_batchnorm_fp32: Optional[bool] = None,
         master_weights: Optional[bool] = None,
         cast_model_outputs: Optional[torch.dtype] = None,
+        half_buffers: Optional[bool] = None,
+        norm_policy: Optional[str] = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -125,7 +133,8 @@ class AmpPrecision(Precision):
         self.combine_grad, self.fused_update = combine_grad, fused_update
         self._request = dict(opt_level=opt_level, dtype=dtype, loss_scale=loss_scale,
                              keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-                             cast_model_outputs=cast_model_outputs)
+                             cast_model_outputs=cast_model_outputs, half_buffers=half_buffers,
+                             norm_policy=norm_policy)
         self._scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                                    growth_interval=growth_interval, hysteresis=hysteresis,
                                    min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
@@ -134,9 +143,9 @@ class AmpPrecision(Precision):
         self._resolve()
         self._engine = AmpEngine(self._properties, self._new_scaler, combine_grad, fused_update,
                                  warn=rank_zero_warn)
-        self._half_params: Optional[HalfParams] = None
-        self._fsdp2_checked = False  # see _half_copies_by_fsdp2
+        self._fsdp2_checked = False  # see _half_params_by_fsdp2
         self._converted: Optional[Module] = None  # the model convert_module prepared, until teardown
+        self._o2_policy: Optional[PolicyHold] = None  # O2's op policy, registered from convert_module to teardown
 
     def _resolve(self) -> None:
         self._properties = resolve_properties(**self._request, device_type=self._device_type)
@@ -198,7 +207,8 @@ class AmpPrecision(Precision):
 
     def convert_module(self, module: Module) -> Module:
         """Cast the model in place and hook its outputs. O0: fp32. Master weights (O2): params fp32,
-        buffers half, BatchNorm fp32 if kept; forward sees half copies of the params. O3: half."""
+        buffers as the model has them (``half_buffers``), BatchNorm fp32 if kept; O2's op policy
+        registered until ``teardown``. O3: half."""
         trainer = getattr(module, "_trainer", None)
         if trainer is None:
             raise TypeError(
@@ -209,7 +219,6 @@ class AmpPrecision(Precision):
         self._use_device_type(trainer.strategy.root_device.type)
         refuse_strategy(self, trainer.strategy)
         self._convert_module(module, fsdp2=isinstance(trainer.strategy, ModelParallelStrategy))
-        self._converted = module
         return module
 
     def teardown(self) -> None:
@@ -218,36 +227,53 @@ class AmpPrecision(Precision):
         module, self._converted = self._converted, None
         if module is not None:
             release_module_(module, self._properties)
+        self._release_o2_policy()
         super().teardown()
+
+    def _release_o2_policy(self) -> None:
+        if self._o2_policy is not None:
+            self._o2_policy.release()
+            self._o2_policy = None
 
     def _convert_module(self, module: Module, fsdp2: bool = False) -> None:
         """Cast ``module`` in place for the level; ``fsdp2``: FSDP2 has sharded it (ModelParallelStrategy),
-        so under master weights FSDP2's policy all-gathers the fp32 shards as the half copies, not HalfParams."""
+        so under master weights FSDP2's policy all-gathers the fp32 shards as half params."""
         props = self._properties
-        self._fsdp2_checked = False
+        self._fsdp2_checked = fsdp2
         if props.opt_level == "O0":
             cast_module_(module, torch.float32)
         elif props.cast_model and props.master_weights:
             if fsdp2:
                 fsdp2_half_compute_(module, props.dtype, props.keep_batchnorm_fp32)  # refuses half params first
-            prepare_o2_module_(module, props.dtype, props.keep_batchnorm_fp32)
-            if not fsdp2:
-                self._half_params = HalfParams(module, props.dtype, props.keep_batchnorm_fp32)
+            prepare_o2_module_(module, props.dtype, props.keep_batchnorm_fp32, props.half_buffers)
         elif props.cast_model:
             cast_module_(module, props.dtype, props.keep_batchnorm_fp32)
             for sub in module.modules():
                 if isinstance(sub, _DeviceDtypeModuleMixin):
                     sub._dtype = props.dtype
         cast_outputs_hook(module, props.cast_model_outputs)
+        self._converted = module
+        self._hold_o2_policy_for_the_run()
+
+    def _hold_o2_policy_for_the_run(self) -> None:
+        """O2's op policy registered from ``convert_module`` to ``teardown`` (the run)."""
+        self._release_o2_policy()
+        if amp_forward.uses_o2_policy(self._properties):
+            self._o2_policy = hold_o2_policy()
+
+    def _o2_policy_per_forward(self) -> contextlib.AbstractContextManager:
+        """What a forward context holds of O2's op policy beyond the run's hold: nothing here."""
+        return contextlib.nullcontext()
 
     def __repr__(self) -> str:
         props = self._properties
         return f"{type(self).__name__}(opt_level={props.opt_level!r}, dtype={props.dtype}, loss_scale={props.loss_scale!r})"
 
     def convert_input(self, data: Any) -> Any:
-        """O2/O3: floating tensors of the batch become the half dtype, saturating at its range (an fp32
-        ``finfo.min`` mask stays finite); other levels leave it alone."""
-        if self._properties.cast_model:
+        """O3: floating tensors of the batch become the half dtype, saturating at its range (an fp32
+        ``finfo.min`` mask stays finite); other levels leave it alone (O2's autocast casts where an op
+        needs it, as ``bf16-mixed``)."""
+        if _casts_batch(self._properties):
             return cast_floating(data, self._properties.dtype, saturating=True)
         return data
 
@@ -255,22 +281,18 @@ class AmpPrecision(Precision):
     def forward_context(self) -> Generator[None, None, None]:
         """The level's forward: see :func:`lightning_amp.amp.forward.forward_context`."""
         if not self._fsdp2_checked:
-            self._half_copies_by_fsdp2()
-        half_params = self._half_params
-        if half_params is not None:  # writes inside the block happen only in manual optimization's training_step
-            half_params.watch_writes = getattr(half_params.module, "automatic_optimization", True) is False
-        with amp_forward.forward_context(self._properties, self._device_type, half_params):
+            self._half_params_by_fsdp2()
+        with self._o2_policy_per_forward(), amp_forward.forward_context(self._properties, self._device_type):
             yield
 
-    def _half_copies_by_fsdp2(self) -> None:
+    def _half_params_by_fsdp2(self) -> None:
         """At the first forward: if FSDP2 sharded the model after ``convert_module`` (Fabric's
-        ModelParallelStrategy runs its ``parallelize_fn`` then), FSDP2's policy makes O2's half copies
-        from now on (:mod:`lightning_amp.amp.fsdp2`), not HalfParams, which would cast the shards."""
+        ModelParallelStrategy runs its ``parallelize_fn`` then), under master weights FSDP2's policy
+        all-gathers the fp32 shards as half params from now on (:mod:`lightning_amp.amp.fsdp2`)."""
         self._fsdp2_checked = True
-        if self._half_params is not None and is_fsdp2(self._half_params.module):
-            props = self._properties
-            fsdp2_half_compute_(self._half_params.module, props.dtype, props.keep_batchnorm_fp32)
-            self._half_params = None
+        props, module = self._properties, self._converted
+        if module is not None and props.cast_model and props.master_weights and is_fsdp2(module):
+            fsdp2_half_compute_(module, props.dtype, props.keep_batchnorm_fp32)
 
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
         """Give each optimizer a scaler and an OptimizerStep, make step schedulers skip-aware."""
@@ -292,10 +314,8 @@ class AmpPrecision(Precision):
             super().backward(tensor, model, *args, **kwargs)
 
     def _recompute_context(self) -> contextlib.AbstractContextManager:
-        props, half_params = self._properties, self._half_params
-        if not amp_forward.has_shared_forward_state(props, half_params):
-            return contextlib.nullcontext()
-        return recompute_context(lambda: amp_forward.shared_forward_state(props, half_params))
+        state = amp_forward.recompute_state(self._properties)
+        return contextlib.nullcontext() if state is None else recompute_context(state)
 
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         """Multiply the loss by the current loss scale (computed in fp32) before the backward hooks."""
@@ -336,8 +356,6 @@ class AmpPrecision(Precision):
             return None
         self._engine.step(optimizer, lambda: self._after_closure(model, optimizer), self._clipping_requested(model),
                           **kwargs)
-        if self._half_params is not None:
-            self._half_params.refresh()  # a manual step inside training_step: its next forward sees it
         self._log_metrics(model)
         return closure_result
 
@@ -422,8 +440,8 @@ class AmpO1Plugin(AmpPrecision):
 
 
 class AmpO2Plugin(AmpPrecision):
-    """Apex O2: fp32 params seen as half copies in forward (BatchNorm fp32), fp32 grads and update,
-    dynamic loss scale (fp16)."""
+    """Apex O2: fp32 params, forward under autocast with norms, softmax and activations kept half
+    (BatchNorm fp32), fp32 grads and update, dynamic loss scale (fp16)."""
 
     def __init__(self, **kwargs: Any) -> None:
         _no_opt_level(kwargs, "AmpO2Plugin")
@@ -436,6 +454,11 @@ class AmpO3Plugin(AmpPrecision):
     def __init__(self, **kwargs: Any) -> None:
         _no_opt_level(kwargs, "AmpO3Plugin")
         super().__init__(opt_level="O3", **kwargs)
+
+
+def _casts_batch(props: AmpProperties) -> bool:
+    """Whether the batch's floating tensors are cast to half before forward: the pure half model (O3)."""
+    return props.cast_model and not props.autocast
 
 
 def _no_opt_level(kwargs: Dict[str, Any], cls_name: str) -> None:

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as TrainerDeepSpeedSt
 
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp import AmpO2Plugin
+from lightning_amp.amp import o2_policy
 from lightning_amp.fabric import AmpO2Precision, AmpPrecision, TensorParallelStrategy
 from _net import free_port
 
@@ -182,7 +183,8 @@ def test_deepspeed_with_our_fabric_plugin_is_refused_before_anything_is_cast():
     with pytest.raises(TypeError, match=r"AmpO2Precision\(opt_level='O2'.*cannot run under DeepSpeed \(_FabricDeepSpeed\).*"
                                         r"strategy='deepspeed', precision='bf16-mixed'"):
         fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert fabric.strategy.precision._half_params is None and model.weight.dtype == torch.float32
+    assert fabric.strategy.precision._o2_policy is None and o2_policy.installs() == 0
+    assert model.weight.dtype == torch.float32
 
 
 def test_deepspeed_with_our_trainer_plugin_is_refused_before_anything_is_cast():
@@ -193,7 +195,8 @@ def test_deepspeed_with_our_trainer_plugin_is_refused_before_anything_is_cast():
     with pytest.raises(TypeError, match=r"AmpO2Plugin\(opt_level='O2'.*cannot run under DeepSpeed \(_TrainerDeepSpeed\).*"
                                         r"'tp_fused' or ModelParallelStrategy"):
         trainer.fit(model)
-    assert trainer.precision_plugin._half_params is None and model.layer.weight.dtype == torch.float32
+    assert trainer.precision_plugin._o2_policy is None and o2_policy.installs() == 0
+    assert model.layer.weight.dtype == torch.float32
 
 
 def test_fabric_tp_fused_refuses_a_second_model_and_an_optimizer_over_renamed_params(monkeypatch):

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
-from lightning_amp.amp.levels import resolve_properties
+
 from lightning_amp.bench import gpu_check
 from lightning_amp.bench.gpu_report import load_parts, write_report
 from lightning_amp.bench.gpu_targets import FAIL, NOT_RUN, PASS, TARGETS, evaluate
@@ -68,7 +67,7 @@ def good_parts():
         "bench-fused": _part("bench-fused", {"records": [_record("O2", 70.0, 11500.0, 0.302, optimizer="FusedAdam")]}),
         "o2-forward": _part("o2-forward", {"records": [
             dict(_record("O2", ms, 11500.0, 0.302, optimizer="FusedAdam"), o2_forward=forward)
-            for forward, ms in (("cast", 70.0), ("autocast", 75.0), ("cast", 70.5), ("autocast", 75.5))]}),
+            for forward, ms in (("half", 70.0), ("fp32", 75.0), ("half", 70.5), ("fp32", 75.5))]}),
     }
 
 
@@ -101,9 +100,9 @@ def _setter(key):
         return lambda p, v: _set_field(p, "bench-fused", "O2", "peak_mem_mb", 20000.0 * v)
     if key == "o2_loss_vs_tf32":
         return lambda p, v: _set_field(p, "bench-fused", "O2", "final_loss", 0.300 * (1 + v))
-    if key == "o2_forward_vs_autocast":  # medians: autocast 75.25 ms, cast 70.25 ms -> move both cast runs
+    if key == "o2_forward_vs_autocast":  # medians: fp32 75.25 ms, half 70.25 ms -> move both half runs
         return lambda p, v: [r.update(step_time_ms=75.25 * v) for r in _records(p, "o2-forward")
-                             if r["o2_forward"] == "cast"]
+                             if r["o2_forward"] == "half"]
     if key.endswith("_bandwidth"):  # fused_adam_<mode>_bandwidth, scale_<mode>_bandwidth; copy is 3000 GB/s
         op, mode = ("adamw", key.split("_")[2]) if key.startswith("fused_adam") else ("scale", key.split("_")[1])
         return lambda p, v: _set_optim(p, op, mode, ours_gbs=3000.0 * v)
@@ -225,7 +224,7 @@ def test_report_files_hold_a_verdict_line_per_target(tmp_path):
         assert sum(line.startswith("| ") and f"| {target.what} |" in line for line in md.splitlines()) == 1
     assert "| FAIL | wgrad into fp32 main_grad / plain bf16 GEMM, 4096 x 1024 -> 4096 | 1.500x | <= 1.030x |" in md
     assert "FusedAdam" in md and "copy" in md  # the bench and optimizer tables are in it
-    assert "| autocast | 75.50 | 11500 | 0.3020 |  |" in md  # and the O2 forward runs
+    assert "| fp32 | 75.50 | 11500 | 0.3020 |  |" in md  # and the O2 forward runs
 
 
 def _load_script(name, monkeypatch):
@@ -364,34 +363,27 @@ def test_o2_forward_verdict_uses_medians_names_the_decision_and_needs_both_forwa
     parts = good_parts()
     verdict = _verdict(parts, "o2_forward_vs_autocast")
     assert verdict.status == PASS and verdict.value == pytest.approx(70.25 / 75.25)
-    assert "keep the forward without it" in verdict.detail
+    assert "keep norm_policy='half'" in verdict.detail
     for record in _records(parts, "o2-forward"):
-        record["step_time_ms"] = 74.0 if record["o2_forward"] == "cast" else 75.0  # autocast costs 1.4%
+        record["step_time_ms"] = 74.0 if record["o2_forward"] == "half" else 75.0  # the fp32 lists cost 1.4%
     verdict = _verdict(parts, "o2_forward_vs_autocast")
-    assert verdict.status == FAIL and "autocast may come back" in verdict.detail
-    parts["o2-forward"]["data"]["records"] = [r for r in _records(parts, "o2-forward") if r["o2_forward"] == "cast"]
+    assert verdict.status == FAIL and "norm_policy='fp32' may become the default" in verdict.detail
+    parts["o2-forward"]["data"]["records"] = [r for r in _records(parts, "o2-forward") if r["o2_forward"] == "half"]
     assert _verdict(parts, "o2_forward_vs_autocast").status == FAIL  # one forward alone is no figure
     parts = good_parts()
     _records(parts, "o2-forward")[1]["device_name"] = "NVIDIA H200"
     assert _verdict(parts, "o2_forward_vs_autocast").status == FAIL
 
 
-def test_the_o2_forward_bench_runs_the_former_forward_under_autocast(monkeypatch):
-    from lightning_amp.amp import forward as amp_forward
+def test_the_o2_forward_bench_switches_o2s_norm_policy(monkeypatch):
+    import lightning_amp
+    from lightning_amp import precision
     from lightning_amp.bench.gpu_o2_forward import use_forward
 
-    monkeypatch.setattr(amp_forward, "forward_context", amp_forward.forward_context)  # restored after the test
-    model = prepare_o2_module_(torch.nn.Linear(2, 2), torch.bfloat16, keep_batchnorm_fp32=True)
-    half_params = HalfParams(model, torch.bfloat16, keep_batchnorm_fp32=True)
-    props = resolve_properties(opt_level="O2", dtype="bfloat16", device_type="cpu")
-
-    def inside():
-        with amp_forward.forward_context(props, "cpu", half_params):
-            return torch.is_autocast_enabled("cpu"), model.weight.dtype, torch.get_default_dtype()
-
-    use_forward("cast")
-    assert inside() == (False, torch.bfloat16, torch.bfloat16)  # the shipped forward
-    use_forward("autocast")
-    assert inside() == (True, torch.bfloat16, torch.bfloat16)
+    monkeypatch.setattr(precision.AmpO2Plugin, "__init__", precision.AmpO2Plugin.__init__)  # restored after the test
+    assert lightning_amp.AmpO2Plugin().properties.norm_policy == "half"  # the shipped forward
+    use_forward("fp32")
+    assert lightning_amp.AmpO2Plugin().properties.norm_policy == "fp32"
+    assert lightning_amp.AmpO2Plugin(norm_policy="half").properties.norm_policy == "half"  # an explicit choice stays
     with pytest.raises(ValueError, match="forward must be one of"):
-        use_forward("fp32")
+        use_forward("cast")

@@ -6,14 +6,17 @@ import torch
 
 from lightning_amp.amp.levels import LEVEL_DEFAULTS, AmpProperties, resolve_dtype, resolve_properties
 
-# apex's table, written out independently of the module's records
+# apex's table, written out independently of the module's records; O2 forwards under autocast (with its
+# own op policy) where apex cast the model: lightning-amp's design (docs/o2-design.md)
 APEX_TABLE = {
     #       cast_model autocast keep_bn master  loss_scale  outputs
     "O0": (False, False, False, False, 1.0, None),
     "O1": (False, True, False, False, "dynamic", None),
-    "O2": (True, False, True, True, "dynamic", torch.float32),
+    "O2": (True, True, True, True, "dynamic", torch.float32),
     "O3": (True, False, False, False, 1.0, None),
 }
+# lightning-amp's two O2 options: (half_buffers, norm_policy)
+O2_OPTIONS = {"O0": (False, None), "O1": (False, None), "O2": (False, "half"), "O3": (True, None)}
 
 
 @pytest.mark.parametrize("level", sorted(APEX_TABLE))
@@ -28,6 +31,7 @@ def test_level_defaults_follow_apex_table_with_fp16(level):
     assert props.loss_scale == scale
     assert props.cast_model_outputs == outputs
     assert props.dtype == (torch.float32 if level == "O0" else torch.float16)
+    assert (props.half_buffers, props.norm_policy) == O2_OPTIONS[level]
 
 
 @pytest.mark.parametrize("level", sorted(APEX_TABLE))
@@ -165,3 +169,27 @@ def test_helper_properties():
     static = resolve_properties("O3", dtype="fp16", loss_scale=128.0)
     assert not static.dynamic_loss_scale and static.scaling_enabled
     assert isinstance(static, AmpProperties)
+
+
+def test_o2_options_half_buffers_and_norm_policy():
+    o2 = resolve_properties("O2", dtype="bf16", half_buffers=True, norm_policy=" FP32 ")
+    assert o2.half_buffers and o2.norm_policy == "fp32"
+    assert resolve_properties("O2", dtype="bf16", master_weights=False).half_buffers  # the whole model is half
+    assert resolve_properties("O3", dtype="bf16", half_buffers=True).half_buffers
+
+
+@pytest.mark.parametrize("level, kwargs, match", [
+    ("O0", {"half_buffers": True}, "`half_buffers` must be None with opt_level O0"),
+    ("O1", {"half_buffers": False}, "`half_buffers` must be None with opt_level O1"),
+    ("O3", {"half_buffers": False}, "`half_buffers=False` needs fp32 master weights.*O3"),
+    ("O2", {"half_buffers": False, "master_weights": False}, "`half_buffers=False` needs fp32 master weights"),
+    ("O2", {"half_buffers": "yes"}, "`half_buffers` must be True, False or None"),
+    ("O1", {"norm_policy": "half"}, "`norm_policy` applies to opt_level O2 only.*O1"),
+    ("O3", {"norm_policy": "fp32"}, "`norm_policy` applies to opt_level O2 only.*O3"),
+    ("O2", {"norm_policy": "bf16"}, '`norm_policy` must be "half".*"fp32".*None; got \'bf16\''),
+    ("O2", {"norm_policy": True}, "`norm_policy` must be"),
+    ("O2", {"norm_policy": "fp32", "keep_batchnorm_fp32": False}, "`keep_batchnorm_fp32=False` with `norm_policy"),
+])
+def test_o2_options_refuse_bad_values_and_contradictions(level, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_properties(level, dtype="bf16", **kwargs)

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, main_params
+from lightning_amp.amp import o2_policy
 
 try:
     import transformers
@@ -300,7 +301,7 @@ def _check_level(level: str, dtype: torch.dtype, model: nn.Module, optimizer) ->
     module_params = list(model.parameters())
     assert all(p.dtype == torch.float32 for p in stepped) or level == "O3"
     assert {id(p) for p in stepped} == {id(p) for p in module_params}  # one set of params at every level
-    if level in ("O1", "O2"):  # O2: forward saw half copies of these fp32 params
+    if level in ("O1", "O2"):  # O2: autocast gave forward half copies of these fp32 params
         assert all(p.dtype == torch.float32 for p in module_params)
         return
     for p in module_params:
@@ -330,8 +331,8 @@ def test_third_party_model_trains_at_every_level(name, level, dtype_name, fp32_f
     error = _output_error(first.logits, reference)
     assert error <= _first_logits_tolerance(dtype), (error, _first_logits_tolerance(dtype))
     _check_level(level, dtype, model, model.trainer.optimizers[0])
-    if level == "O2":  # half end to end without autocast (amp/half_inputs.py), as on CUDA
-        assert not first.autocast and first.logits_dtype == dtype, (first.autocast, first.logits_dtype)
+    if level == "O2":  # under autocast, as bf16-mixed, with the activations half up to the logits
+        assert first.autocast and first.logits_dtype == dtype, (first.autocast, first.logits_dtype)
 
 
 @pytest.mark.parametrize("name", _cells(["demo_transformer", "llama"]))
@@ -351,44 +352,21 @@ def test_o2_checkpoint_loads_into_the_plain_fp32_model(name, tmp_path):
         assert torch.isfinite(plain.training_step(batch, 0))
 
 
-# ------------------------------------------------------------------ O2's forward without autocast
+# ------------------------------------------------------------------ O2's forward under CUDA's autocast lists
 
-#: torch's autocast fp32 list on CUDA (aten/src/ATen/autocast_mode.h: AT_FORALL_FP32 and
-#: AT_FORALL_FP32_SET_OPT_DTYPE) less its losses and the ops CPU autocast already runs in fp32:
-#: the ops that would upcast O2's activations on a GPU if O2's forward ran under autocast there
-AUTOCAST_CUDA_FP32 = (
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "softplus", "layer_norm", "group_norm",
-    "cosine_similarity", "dist", "renorm", "logsumexp", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
-    "linalg_vector_norm", "sum", "sum.dim_IntList",
-)
-#: the same ops as a TorchDispatchMode sees them, after their CompositeImplicit decompositions
-_SPIED = {name.split(".")[0] for name in AUTOCAST_CUDA_FP32} | {
-    "native_layer_norm", "native_group_norm", "_softmax", "_safe_softmax", "_log_softmax"}
+#: the ops a TorchDispatchMode sees for O2's policy table rows that CUDA's autocast upcasts (after their
+#: CompositeImplicit decompositions)
+_DECOMPOSED = {"layer_norm": "native_layer_norm", "group_norm": "native_group_norm", "softmax": "_softmax",
+               "log_softmax": "_log_softmax"}
 
 
-def _fp32_policy(op):
-    def kernel(*args, **kwargs):
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
-            return op(*[a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args],
-                      **kwargs)
-    return kernel
-
-
-@pytest.fixture
-def cuda_autocast_policy_on_cpu():
-    """CPU autocast given CUDA's fp32 policy for :data:`AUTOCAST_CUDA_FP32` while the test runs: what a
-    forward under ``torch.autocast`` would do to these ops on a GPU, made visible on the CPU."""
-    lib = torch.library.Library("aten", "IMPL")
-    for name in AUTOCAST_CUDA_FP32:
-        packet, _, overload = name.partition(".")
-        lib.impl(name, _fp32_policy(getattr(getattr(torch.ops.aten, packet), overload or "default")), "AutocastCPU")
-    yield
-    lib._destroy()
+def _cuda_upcast_ops():
+    names = {name.split("::")[1].split(".")[0] for name, rule, cuda, _ in o2_policy.table() if cuda != "fallthrough"}
+    return names | {_DECOMPOSED[name] for name in names if name in _DECOMPOSED}
 
 
 class _DtypeSpy(TorchDispatchMode):
-    """Records (op, floating input dtypes, floating output dtypes) of every op run outside a loss module."""
+    """Records (op, floating input dtypes, its result's dtype) of every op run outside a loss module."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -399,8 +377,9 @@ class _DtypeSpy(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.in_loss:
             def floats(tree):
-                return {t.dtype for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()}
-            self.ops.append((func.overloadpacket.__name__, floats((args, kwargs)), floats(out)))
+                return [t.dtype for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            outs = floats(out)  # the first is the result; others are auxiliary (an attention's fp32 logsumexp)
+            self.ops.append((func.overloadpacket.__name__, set(floats((args, kwargs))), set(outs[:1])))
         return out
 
 
@@ -427,23 +406,51 @@ class _SpiedStep(HFModule):
         return loss
 
 
+def _sdpa_bert():
+    """BERT as Hugging Face builds it by default (SDPA attention: the padding mask goes into the fused op)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * HIDDEN,
+        max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        hidden_act="gelu_new",  # GPT-2's tanh GELU: pow(x, 3) and tanh, which CUDA's autocast upcasts
+    )
+    batch = {"input_ids": _tokens(1), "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long),
+             "labels": torch.tensor([0, 1, 2, 1])}
+    batch["attention_mask"][0, -3:] = 0
+    return transformers.BertForSequenceClassification(config), batch
+
+
 @needs_transformers
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_o2_bert_forward_stays_half_under_cuda_autocast_policy(dtype_name, cuda_autocast_policy_on_cpu):
-    """Under CUDA autocast's fp32 policy (emulated on the CPU), O2's BERT forward still feeds
-    LayerNorm, softmax, pow, sum, ... half activations, and no op outside the loss returns fp32."""
+def test_o2_bert_forward_stays_half_under_cuda_autocast_lists(dtype_name, monkeypatch):
+    """With CUDA's autocast lists on the CPU (``LIGHTNING_AMP_O2_POLICY_MODE``), O2's BERT forward feeds
+    LayerNorm, pow, ... half activations and no op turns a half tensor into fp32 outside the loss; with ``norm_policy="fp32"`` (what ``bf16-mixed`` does on a GPU) the same
+    spy sees LayerNorm upcast."""
+    monkeypatch.setenv(o2_policy.MODE_ENV, "cuda-lists-on-cpu")
     dtype = DTYPES[dtype_name]
-    bert, batch = _bert()
-    model = _SpiedStep(bert.model)
-    losses = _train(model, batch, AmpO2Plugin(dtype=dtype))
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    upcast_by_cuda = _cuda_upcast_ops()
+    spies = {}
+    for norm_policy in ("half", "fp32"):
+        bert, batch = _sdpa_bert()
+        model = _SpiedStep(bert)
+        plugin = AmpO2Plugin(dtype=dtype, norm_policy=norm_policy)
+        hold = o2_policy.hold() if norm_policy == "fp32" else None  # bf16-mixed's kernels: torch's CUDA lists
+        try:
+            losses = _train(model, batch, plugin)
+        finally:
+            if hold is not None:
+                hold.release()
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+        assert model.loss_dtype == torch.float32  # the loss module ran in fp32
+        spies[norm_policy] = model.spy.ops
 
-    spied = [(name, ins) for name, ins, _ in model.spy.ops if name in _SPIED and ins]
-    assert {"native_layer_norm", "_softmax"} <= {name for name, _ in spied}  # the spy saw them
-    assert [(name, ins) for name, ins in spied if ins != {dtype}] == []
-    upcast = [(name, ins, outs) for name, ins, outs in model.spy.ops if torch.float32 in outs or torch.float64 in outs]
-    assert upcast == [("_to_copy", {dtype}, {torch.float32})]  # half end to end but the logits cast into the loss
-    assert model.loss_dtype == torch.float32  # the loss module ran in fp32
+    listed = [(name, ins) for name, ins, _ in spies["half"] if name in upcast_by_cuda and ins]
+    assert {"native_layer_norm", "pow"} <= {name for name, _ in listed}  # the spy saw them
+    assert [(name, ins) for name, ins in listed if ins != {dtype}] == []
+    upcast = [(name, ins, outs) for name, ins, outs in spies["half"] if dtype in ins and torch.float32 in outs]
+    assert upcast == []  # half end to end: the logits become fp32 only inside the loss (autocast's loss policy)
+    fp32_norms = [ins for name, ins, _ in spies["fp32"] if name == "native_layer_norm"]
+    assert fp32_norms and all(ins == {torch.float32} for ins in fp32_norms)
 
 
 class _MaskInForward(HFModule):

@@ -6,7 +6,7 @@ already held at another factor are re-based first, so accumulated grads carry on
 what happens when a skipped step reaches the host (names of the offending params at debug level,
 a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row, the grads dropped), and the
 scaler part of checkpoints. The optimizers step the module's own params at every level (under O2
-those are fp32 and forward sees half copies, :mod:`lightning_amp.amp.half_params`), so nothing
+those are fp32 and autocast gives forward their half copies, :mod:`lightning_amp.amp.forward`), so nothing
 here maps params to other tensors. The Lightning plugin (``lightning_amp.precision``) only calls
 into it from its hooks.
 """

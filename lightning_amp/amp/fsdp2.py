@@ -1,11 +1,9 @@
 """O2 under FSDP2 (``fully_shard``): FSDP2's own mixed precision makes the half copies.
 
 Under FSDP2 the module's Parameters are fp32 DTensor shards (1/N per rank): they are O2's fp32
-params, stepped shard by shard by the optimizer. :class:`~lightning_amp.amp.half_params.HalfParams`
-cannot give forward half copies of them: it would cast the *shards* and shadow the whole params
-FSDP2 all-gathers for each forward (it fails with ``got mixed torch.Tensor and DTensor``), and a copy
-cast after the all-gather would gather fp32 (twice the bytes) and hold fp32 and half whole params
-at once. FSDP2's ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)`` does what O2 needs
+params, stepped shard by shard by the optimizer. Autocast alone would cast them after FSDP2's
+all-gather, which would then gather fp32 (twice the bytes) and hold fp32 and half whole params at
+once. FSDP2's ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)`` does what O2 needs
 in the all-gather itself: each group of params is gathered as half for its forward and backward and
 freed after, and the half grads are reduce-scattered in fp32 into fp32 sharded grads, so the fp32
 params are never gathered whole on one rank.
@@ -138,7 +136,8 @@ def _policy_to_set(name: str, state, groups: list, dtype: torch.dtype, bn_only: 
             f"lightning_amp O2 under FSDP2: cannot set the policy of fully_shard group {name!r} (it already ran "
             f"forward, or this torch's FSDP2 keeps it elsewhere); pass {_fix(dtype)} to fully_shard."
         )
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # the inputs as they come, as on one device (autocast reconciles them), not cast at every group's entry
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def fsdp2_half_compute_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:

@@ -1,15 +1,16 @@
 """Apex's optimisation levels O0-O3 as frozen property records, and their validation.
 
-Level defaults (apex's table; ``dtype`` is the *half* dtype the level computes in):
+Level defaults (apex's table, plus two O2 options of lightning-amp; ``dtype`` is the *half* dtype
+the level computes in):
 
-======  ==========  ========  ===================  ==============  ==========  ==================
-level   cast_model  autocast  keep_batchnorm_fp32  master_weights  loss_scale  cast_model_outputs
-======  ==========  ========  ===================  ==============  ==========  ==================
-O0      False       False     False                False           1.0         None
-O1      False       True      False                False           "dynamic"   None
-O2      True        False     True                 True            "dynamic"   torch.float32
-O3      True        False     False                False           1.0         None
-======  ==========  ========  ===================  ==============  ==========  ==================
+======  ==========  ========  ===================  ==============  ==========  ==================  ============  ===========
+level   cast_model  autocast  keep_batchnorm_fp32  master_weights  loss_scale  cast_model_outputs  half_buffers  norm_policy
+======  ==========  ========  ===================  ==============  ==========  ==================  ============  ===========
+O0      False       False     False                False           1.0         None                False         None
+O1      False       True      False                False           "dynamic"   None                False         None
+O2      True        True      True                 True            "dynamic"   torch.float32       False         "half"
+O3      True        False     False                False           1.0         None                True          None
+======  ==========  ========  ===================  ==============  ==========  ==================  ============  ===========
 
 Decisions where apex left room:
 
@@ -24,6 +25,10 @@ Decisions where apex left room:
 * O0 and O1 never cast the model, so ``master_weights=True`` or any explicit
   ``keep_batchnorm_fp32`` (True or False) is a contradiction and raises, as apex did.
   ``master_weights=False`` is accepted (it is the level's value).
+* ``half_buffers`` and ``norm_policy`` are O2's (:mod:`~lightning_amp.amp.forward`): an explicit value at
+  O0/O1 raises; O3 (a pure half model) accepts only ``half_buffers=True``, and so does O2 with
+  ``master_weights=False``; ``norm_policy`` is for O2 alone, and its "fp32" needs
+  ``keep_batchnorm_fp32`` (O2 computes a half BatchNorm over fp32 Parameters through its op policy).
 """
 from __future__ import annotations
 
@@ -62,15 +67,20 @@ class AmpProperties:
     """The resolved, immutable properties of one opt level.
 
     opt_level: "O0".."O3". dtype: the half dtype computed in (torch.float32 for O0).
-    cast_model: the model's floating buffers are cast to ``dtype`` in place, and its params too
-    unless ``master_weights``; forward computes in ``dtype``.
-    autocast: forward runs under ``torch.autocast(dtype)`` plus the registered cast lists (O1;
-    O2 casts module inputs instead, see :mod:`lightning_amp.amp.forward`).
-    keep_batchnorm_fp32: BatchNorm layers stay fp32 when the model is cast.
+    cast_model: the model computes in ``dtype`` inside forward (O2, O3); its params are cast to ``dtype``
+    in place unless ``master_weights``.
+    autocast: forward runs under ``torch.autocast(dtype)`` (O1 with the registered cast lists; O2 with
+    its ``norm_policy``, see :mod:`lightning_amp.amp.forward`).
+    keep_batchnorm_fp32: BatchNorm layers keep fp32 params and statistics and compute in fp32.
     master_weights: with ``cast_model``, the params stay fp32 (what the optimizer steps, what
-    checkpoints hold) and forward sees half copies of them (:mod:`lightning_amp.amp.half_params`).
+    checkpoints hold, what ``module.weight`` is) and autocast gives forward their half copies.
     loss_scale: a positive static scale, or "dynamic". cast_model_outputs: dtype the model's
     floating outputs are cast to, or None to leave them alone.
+    half_buffers: the model's floating buffers are stored in ``dtype`` (else they keep the dtype the
+    model gave them); BatchNorm's follow ``keep_batchnorm_fp32``.
+    norm_policy: O2's forward: "half" runs norms (LayerNorm, GroupNorm, RMSNorm), softmax and the
+    elementwise math torch's autocast upcasts in the activations' half dtype, as under ``bf16-true``;
+    "fp32" leaves torch's autocast lists as they are, as under ``bf16-mixed``. None below O2.
     """
 
     opt_level: str
@@ -81,6 +91,8 @@ class AmpProperties:
     master_weights: bool
     loss_scale: LossScaleSpec
     cast_model_outputs: Optional[torch.dtype]
+    half_buffers: bool = False
+    norm_policy: Optional[str] = None
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -95,8 +107,10 @@ class AmpProperties:
 
 O0 = AmpProperties("O0", torch.float32, False, False, False, False, 1.0, None)
 O1 = AmpProperties("O1", torch.float16, False, True, False, False, "dynamic", None)
-O2 = AmpProperties("O2", torch.float16, True, False, True, True, "dynamic", torch.float32)
-O3 = AmpProperties("O3", torch.float16, True, False, False, False, 1.0, None)
+O2 = AmpProperties("O2", torch.float16, True, True, True, True, "dynamic", torch.float32, norm_policy="half")
+O3 = AmpProperties("O3", torch.float16, True, False, False, False, 1.0, None, half_buffers=True)
+
+NORM_POLICIES = ("half", "fp32")
 
 LEVEL_DEFAULTS: Mapping[str, AmpProperties] = MappingProxyType({"O0": O0, "O1": O1, "O2": O2, "O3": O3})
 
@@ -159,6 +173,18 @@ def _check_optional_bool(value: object, name: str) -> Optional[bool]:
     raise ValueError(f"`{name}` must be True, False or None (the level's default); got {value!r}")
 
 
+def _check_norm_policy(value: object, opt_level: str) -> Optional[str]:
+    if value is None:
+        return None
+    if opt_level != "O2":
+        raise ValueError(f"`norm_policy` applies to opt_level O2 only (its forward under autocast); got "
+                         f"{value!r} with {opt_level}. Leave it None there.")
+    if isinstance(value, str) and value.strip().lower() in NORM_POLICIES:
+        return value.strip().lower()
+    raise ValueError(f'`norm_policy` must be "half" (norms, softmax and activations in the half dtype, as '
+                     f'bf16-true), "fp32" (torch\'s autocast lists, as bf16-mixed) or None; got {value!r}')
+
+
 def _check_output_dtype(value: object) -> Optional[torch.dtype]:
     if value is None:
         return None
@@ -179,18 +205,23 @@ def resolve_properties(
     keep_batchnorm_fp32: Optional[bool] = None,
     master_weights: Optional[bool] = None,
     cast_model_outputs: Optional[torch.dtype] = None,
+    half_buffers: Optional[bool] = None,
+    norm_policy: Optional[str] = None,
     device_type: str = "cpu",
 ) -> AmpProperties:
     """Resolve one opt level's properties: level defaults, then explicit overrides.
 
     ``None`` means "the level's default". Raises ValueError naming the offending argument
     and its allowed values for unknown levels/dtypes, bad scales, and overrides that
-    contradict the level (O0/O1 with ``master_weights=True`` or ``keep_batchnorm_fp32`` set).
+    contradict the level (O0/O1 with ``master_weights=True``, ``keep_batchnorm_fp32`` or ``half_buffers``
+    set; ``half_buffers=False`` for a whole half model; ``norm_policy`` below or above O2).
     """
     level = LEVEL_DEFAULTS[_check_opt_level(opt_level)]
     keep_batchnorm_fp32 = _check_optional_bool(keep_batchnorm_fp32, "keep_batchnorm_fp32")
     master_weights = _check_optional_bool(master_weights, "master_weights")
     output_dtype = _check_output_dtype(cast_model_outputs)
+    half_buffers = _check_optional_bool(half_buffers, "half_buffers")
+    policy = _check_norm_policy(norm_policy, level.opt_level)
     explicit_scale = None if loss_scale is None else check_loss_scale(loss_scale)
 
     if level.opt_level == "O0" and _is_fp32_request(dtype):
@@ -210,6 +241,24 @@ def resolve_properties(
                 f"`keep_batchnorm_fp32` must be None with opt_level {level.opt_level}: the model is not cast, "
                 f"so BatchNorm already runs in fp32 (got {keep_batchnorm_fp32!r}). It applies to O2 and O3."
             )
+        if half_buffers is not None:
+            raise ValueError(
+                f"`half_buffers` must be None with opt_level {level.opt_level}: the model is not cast, so its "
+                f"buffers keep their dtype (got {half_buffers!r}). It applies to O2 (and O3, where it is True)."
+            )
+    masters = level.master_weights if master_weights is None else master_weights
+    keep_bn = level.keep_batchnorm_fp32 if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
+    if policy == "fp32" and masters and not keep_bn:
+        raise ValueError(
+            '`keep_batchnorm_fp32=False` with `norm_policy="fp32"`: half BatchNorm over fp32 Parameters is computed '
+            'by O2\'s op policy, which "fp32" turns off. Use norm_policy="half" or keep_batchnorm_fp32=True.'
+        )
+    if level.cast_model and not masters and half_buffers is False:
+        raise ValueError(
+            f"`half_buffers=False` needs fp32 master weights: with opt_level {level.opt_level} and "
+            "master_weights=False the whole model, buffers included, is half. Allowed: None or True "
+            "(or O2 with master weights for fp32 buffers)."
+        )
 
     if level.opt_level == "O0":
         half = torch.float32
@@ -225,9 +274,11 @@ def resolve_properties(
         level,
         dtype=half,
         loss_scale=scale,
-        keep_batchnorm_fp32=level.keep_batchnorm_fp32 if keep_batchnorm_fp32 is None else keep_batchnorm_fp32,
-        master_weights=level.master_weights if master_weights is None else master_weights,
+        keep_batchnorm_fp32=keep_bn,
+        master_weights=masters,
         cast_model_outputs=level.cast_model_outputs if output_dtype is None else output_dtype,
+        half_buffers=(level.cast_model and not masters) if half_buffers is None else half_buffers,
+        norm_policy=level.norm_policy if policy is None else policy,
     )
 
 

@@ -1,8 +1,8 @@
 """Views of an optimizer's params and grads, framework-free.
 
 Under every opt level the optimizer's ``param_groups`` hold the module's own params (under O2 they
-are fp32 and forward sees half copies, :mod:`lightning_amp.amp.half_params`; the former private
-fp32 masters are gone). These helpers read those params and their grads for the step path and
+are fp32 and autocast gives forward their half copies, :mod:`lightning_amp.amp.forward`; the former
+private fp32 masters are gone). These helpers read those params and their grads for the step path and
 its messages.
 """
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Casting a model for O0/O2/O3, in place, framework-free.
 
+* :func:`prepare_o2_module_` prepares a model for O2 with master weights: its Parameters stay (or
+  become) fp32, its buffers keep their dtype unless half buffers are asked for.
 * :func:`cast_module_` casts every floating param and buffer to ``dtype`` *in place* (the
   Parameter objects survive, so wrappers such as DDP that hold them keep working). Complex
   tensors are left alone, and so is every torchmetrics ``Metric`` (with its submodules): its
@@ -142,6 +144,36 @@ def cast_module_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: boo
             sub._apply(cast)
         if keep_fp32:
             _keep_fp32_batchnorm(sub)
+    return module
+
+
+@torch.no_grad()
+def prepare_o2_module_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
+                       half_buffers: bool = False) -> nn.Module:
+    """O2 with master weights, in place; returns ``module``.
+
+    Every floating Parameter is fp32 (a half one is upcast in place: the Parameter object survives, so
+    optimizers and wrappers holding it keep working); forward sees its half copies through autocast
+    (:mod:`lightning_amp.amp.forward`). Buffers keep the dtype the model gave them, except: with
+    ``half_buffers`` every floating buffer is stored as ``dtype``; BatchNorm's statistics are fp32 with
+    ``keep_batchnorm_fp32`` and ``dtype`` without it (it then computes in half). torchmetrics metrics,
+    and everything inside them, are left alone.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"prepare_o2_module_: `module` must be a torch.nn.Module, got {type(module).__name__}")
+    for sub in outside_metrics(module):
+        for param in sub._parameters.values():
+            if param is not None and param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.float()
+        if isinstance(sub, _BatchNorm):
+            buffer_dtype = torch.float32 if keep_batchnorm_fp32 else dtype
+        elif half_buffers:
+            buffer_dtype = dtype
+        else:
+            continue
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != buffer_dtype:
+                sub._buffers[name] = buffer.to(buffer_dtype)
     return module
 
 

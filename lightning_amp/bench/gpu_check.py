@@ -16,8 +16,8 @@ subprocess with its own timeout (default :data:`PART_TIMEOUT_S`), its output in 
 - ``bench``: ``lightning-amp bench --accelerator cuda`` on BERT-base (seq 128, batch 256, 300 steps) at
   32-true (TF32), bf16-mixed, bf16-true, O1, O2, O3 with the example's optimizer;
 - ``bench-fused``: the same at O1, O2, O3 with ``--optimizer fused-adam``;
-- ``o2-forward``: O2 + FusedAdam on the same BERT-base with the shipped forward (no autocast) and the
-  former one (under ``torch.autocast``), alternating, each run a fresh process
+- ``o2-forward``: O2 + FusedAdam on the same BERT-base with the shipped op policy (``norm_policy="half"``)
+  and torch's autocast lists (``norm_policy="fp32"``), alternating, each run a fresh process
   (:mod:`lightning_amp.bench.gpu_o2_forward`).
 
 The report (``gpu-check.md``, ``gpu-check.json``) is written from every ``part-*.json`` in DIR, so

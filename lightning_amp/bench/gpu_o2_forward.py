@@ -1,4 +1,4 @@
-"""O2's forward with and without ``torch.autocast`` on one GPU: ``make gpu-check``'s part ``o2-forward``.
+"""O2's op policy against torch's autocast lists on one GPU: ``make gpu-check``'s part ``o2-forward``.
 
     python -m lightning_amp.bench.gpu_o2_forward --json OUT [--rounds 2] [--steps 100] [--accelerator cuda]
 
@@ -6,10 +6,10 @@ Trains ``lightning-amp bench``'s BERT-base run (:func:`lightning_amp.bench.worke
 batch of :data:`~lightning_amp.bench.models.MODELS`, batches on the device) at O2 with FusedAdam, each
 run in a fresh process, the two forwards alternating ``rounds`` times:
 
-- ``cast``: the shipped O2 forward (half copies, half default dtype, fp32 module inputs cast to half:
-  :mod:`lightning_amp.amp.half_inputs`, no autocast);
-- ``autocast``: the former O2 forward, the same half copies and default dtype under ``torch.autocast``
-  (on CUDA its fp32 list runs ``layer_norm``, ``softmax``, ``sum``, ``pow``, ... in fp32).
+- ``half``: the shipped O2 forward (``norm_policy="half"``): autocast with O2's op policy, norms,
+  softmax and activations in the half dtype (:mod:`lightning_amp.amp.o2_policy`);
+- ``fp32``: ``norm_policy="fp32"``: autocast with torch's lists, as ``bf16-mixed`` (on CUDA its fp32
+  list runs ``layer_norm``, ``softmax``, ``sum``, ``pow``, ... in fp32).
 
 OUT gets the worker's records, each with ``"o2_forward"`` set, rewritten after every run (a part that
 times out keeps what it measured). The verdict (``o2_forward_vs_autocast`` in
@@ -18,45 +18,32 @@ times out keeps what it measured). The verdict (``o2_forward_vs_autocast`` in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
-FORWARDS = ("cast", "autocast")
-
-
-@contextlib.contextmanager
-def _o2_under_autocast(props, device_type: str, half_params=None) -> Iterator[None]:
-    """The former O2 forward context: half copies and the half default dtype, under ``torch.autocast``."""
-    import torch
-
-    from lightning_amp.amp.module_cast import default_dtype
-
-    with half_params, default_dtype(props.dtype), torch.autocast(device_type, dtype=props.dtype, cache_enabled=False):
-        yield
+FORWARDS = ("half", "fp32")
 
 
 def use_forward(forward: str) -> None:
-    """Make the plugins of this process run O2's forward ``forward`` (one of :data:`FORWARDS`): "autocast"
-    replaces :func:`lightning_amp.amp.forward.forward_context` for O2 (for the rest of the process)."""
-    from lightning_amp.amp import forward as amp_forward
+    """Make the O2 plugins built in this process default to ``norm_policy=forward`` (one of
+    :data:`FORWARDS`; for the rest of the process)."""
+    import lightning_amp
+    from lightning_amp import precision
 
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
-    if forward == "cast":
-        return
-    shipped = amp_forward.forward_context
+    shipped = precision.AmpO2Plugin.__init__
 
-    def forward_context(props, device_type, half_params=None):
-        if half_params is None:
-            return shipped(props, device_type, half_params)
-        return _o2_under_autocast(props, device_type, half_params)
+    def init(self, **kwargs):
+        kwargs.setdefault("norm_policy", forward)
+        shipped(self, **kwargs)
 
-    amp_forward.forward_context = forward_context
+    for cls in {precision.AmpO2Plugin, lightning_amp.AmpO2Plugin}:
+        cls.__init__ = init
 
 
 def run_one(forward: str, steps: Optional[int], accelerator: str) -> dict:

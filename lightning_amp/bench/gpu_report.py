@@ -100,7 +100,7 @@ def render_markdown(parts: dict, verdicts: list, note: str = "") -> str:
         out += ["\n## Training runs (`lightning-amp bench`)\n", markdown_table(records)]
     forwards = ((parts.get("o2-forward") or {}).get("data") or {}).get("records")
     if forwards:
-        out += ["\n## O2's forward with and without autocast (`lightning_amp.bench.gpu_o2_forward`)\n",
+        out += ["\n## O2's half op policy against torch's autocast lists (`lightning_amp.bench.gpu_o2_forward`)\n",
                 _o2_forward_table(forwards)]
     optim = ((parts.get("optim") or {}).get("data") or {}).get("rows")
     if optim:

@@ -5,8 +5,11 @@ Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
 :class:`~lightning_amp.amp.engine.AmpEngine`); this file only maps Fabric's hooks onto the engine.
 
 * ``convert_module`` (in ``fabric.setup``) casts the model in place as the Trainer plugin does (O2:
-  the Parameters stay fp32 and every forward sees half copies, :mod:`lightning_amp.amp.half_params`),
-  so the optimizer the user built over ``model.parameters()`` steps the module's own fp32 params.
+  the Parameters stay fp32 and forward runs under autocast with O2's op policy,
+  :mod:`lightning_amp.amp.forward`), so the optimizer the user built over ``model.parameters()`` steps
+  the module's own fp32 params. Fabric has no end of run: O2's op policy
+  (:mod:`lightning_amp.amp.o2_policy`) is registered for each forward context (and a recomputing
+  backward) only, so nothing stays registered between them.
 * Fabric never hands a precision plugin its optimizers: each optimizer is connected to the engine
   the first time the plugin sees it (``optimizer_step``, ``unscale_gradients``, i.e. the first
   ``optimizer.step()`` or ``fabric.clip_gradients``). Until then backwards run at scale 1.
@@ -26,6 +29,7 @@ Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Dict, Generator, List, Optional
 
@@ -35,10 +39,12 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from torch.utils._pytree import tree_leaves
 
+from lightning_amp.amp.forward import uses_o2_policy
 from lightning_amp.amp.module_cast import cast_floating
+from lightning_amp.amp.o2_policy import held as held_o2_policy
 from lightning_amp.amp.step import OptimizerStep
 from lightning_amp.precision import AmpPrecision as _TrainerAmpPrecision
-from lightning_amp.precision import _no_opt_level
+from lightning_amp.precision import _casts_batch, _no_opt_level
 from lightning_amp.unsupported import refuse_strategy
 
 _STATE_KEY = "lightning_amp"  # where an optimizer's state_dict carries its scaler (in param_groups[0])
@@ -77,6 +83,12 @@ class AmpPrecision(_TrainerAmpPrecision):
             names.setdefault(param, []).append(name)
         self._engine.connect([], names)
 
+    def _hold_o2_policy_for_the_run(self) -> None:
+        pass  # Fabric has no end of run: see _o2_policy_per_forward
+
+    def _o2_policy_per_forward(self) -> contextlib.AbstractContextManager:
+        return held_o2_policy() if uses_o2_policy(self._properties) else contextlib.nullcontext()
+
     def connect(self, *args: Any, **kwargs: Any) -> Any:
         """A Trainer hook: this plugin is for Fabric."""
         raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
@@ -99,12 +111,12 @@ class AmpPrecision(_TrainerAmpPrecision):
     # ---- the step ----------------------------------------------------------------------
 
     def convert_input(self, data: Any) -> Any:
-        """O2/O3: floating tensors become the half dtype, saturating at its range (an fp32 ``finfo.min``
+        """O3: floating tensors become the half dtype, saturating at its range (an fp32 ``finfo.min``
         mask stays finite); the autocast device follows the batch's."""
         tensor = next((t for t in tree_leaves(data) if isinstance(t, Tensor)), None)
         if tensor is not None and tensor.device.type != self._device_type:
             self._device_type = tensor.device.type
-        return cast_floating(data, self._properties.dtype, saturating=True) if self._properties.cast_model else data
+        return cast_floating(data, self._properties.dtype, saturating=True) if _casts_batch(self._properties) else data
 
     def convert_output(self, data: Any) -> Any:
         """Floating outputs become torch's default dtype (fp32), as under every Fabric precision but
@@ -133,8 +145,6 @@ class AmpPrecision(_TrainerAmpPrecision):
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
         self._engine.step(state.optimizer, lambda: None, clipping=False, **kwargs)
-        if self._half_params is not None:
-            self._half_params.refresh()  # a step inside `with fabric.autocast():`: the next forward sees it
         return result
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -200,7 +210,7 @@ class AmpO1Precision(AmpPrecision):
 
 
 class AmpO2Precision(AmpPrecision):
-    """Apex O2 for Fabric: fp32 params, forward on half copies (BatchNorm fp32), fp32 update."""
+    """Apex O2 for Fabric: fp32 params, forward under autocast with half norms (BatchNorm fp32), fp32 update."""
 
     def __init__(self, **kwargs: Any) -> None:
         _no_opt_level(kwargs, "AmpO2Precision")

@@ -80,8 +80,8 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
     ``dgrad_comm``: "none" | "all_reduce" | "reduce_scatter" applied to grad_input over ``group``;
     ``sequence_parallel``: all-gather ``x`` along ``seq_dim`` in forward (the reduce-scatter of
     grad_input is then the adjoint). Under autocast the GEMM runs in the autocast dtype.
-    ``param``: the layer's weight Parameter, whose ``main_grad`` takes the fused wgrad; under O2 it
-    is fp32 while ``weight`` is the half copy forward sees (:mod:`lightning_amp.amp.half_params`).
+    ``param``: the layer's registered weight Parameter, whose ``main_grad`` takes the fused wgrad
+    (``weight`` is what forward reads: the same Parameter, or FSDP2's all-gathered one).
     """
 
     @staticmethod
