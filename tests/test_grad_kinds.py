@@ -186,6 +186,7 @@ def test_overflow_in_a_sparse_grad_skips_the_step(level, dtype, flag_timing):
     model, snaps = SparseNet("adagrad"), _Snapshots()
     trainer = _fit(model, level, dtype=dtype, callbacks=[snaps, _Inf("emb.weight", 2)])
     assert trainer.precision_plugin.skipped_steps == 1
+    assert trainer.precision_plugin.last_nonfinite_params == ["emb.weight"]  # named from that step's grads
     assert trainer.precision_plugin.loss_scale == (FP16_SCALE / 2 if dtype == "float16" else 1.0)
     before, skipped, after = snaps.after[1], snaps.after[2], snaps.after[3]
     assert before.keys() == skipped.keys()
@@ -238,6 +239,7 @@ def test_overflow_in_a_complex_grad_skips_the_step(level, dtype, flag_timing):
     model, snaps = ComplexNet(), _Snapshots()
     trainer = _fit(model, level, dtype=dtype, callbacks=[snaps, _Inf("gain", 2)])
     assert trainer.precision_plugin.skipped_steps == 1
+    assert trainer.precision_plugin.last_nonfinite_params == ["gain"]  # named from that step's grads
     assert trainer.precision_plugin.loss_scale == (FP16_SCALE / 2 if dtype == "float16" else 1.0)
     before, skipped = snaps.after[1], snaps.after[2]
     for key in before:
