@@ -161,7 +161,7 @@ FP16_SCALE = 2.0**16  # AmpPrecision's init_scale
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("kind", ["sparse", "complex"])
-def test_fp16_scale_is_divided_out_of_sparse_and_complex_grads(kind, level):
+def test_fp16_scale_is_divided_out_of_sparse_and_complex_grads(kind, level, flag_timing):
     """O3 is left out: float16 params stepped directly (torch's sparse SGD has no Half kernel on the
     CPU; AdamW's eps is 0 in float16, which the engine warns of) with a static scale of 1.0."""
     model = SparseNet("sgd") if kind == "sparse" else ComplexNet("sgd")
