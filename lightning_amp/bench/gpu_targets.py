@@ -258,7 +258,8 @@ def _vs_torch(op, mode):
         row = _optim_row(parts, op, mode)
         if row.get("torch_ms") is None:
             raise Missing(f"{op} {mode}: no torch figure")
-        ours, torch_ms = _figure(row.get("ours_ms"), f"{op} {mode} ours_ms"), _figure(row["torch_ms"], f"{op} {mode} torch_ms")
+        ours = _figure(row.get("ours_ms"), f"{op} {mode} ours_ms")
+        torch_ms = _figure(row["torch_ms"], f"{op} {mode} torch_ms")
         return ours / torch_ms, f"ours {ours:.3f} ms, torch ({row.get('torch_impl')}) {torch_ms:.3f} ms"
     return measure
 
@@ -276,7 +277,8 @@ def _wgrad(shape):
         part = _part(parts, "wgrad")
         for row in (part.get("data") or {}).get("rows") or []:
             if (row.get("tokens"), row.get("n_in"), row.get("n_out")) == shape:
-                fused, gemm = _figure(row.get("fused_ms"), "wgrad fused_ms"), _figure(row.get("gemm_ms"), "wgrad gemm_ms")
+                fused = _figure(row.get("fused_ms"), "wgrad fused_ms")
+                gemm = _figure(row.get("gemm_ms"), "wgrad gemm_ms")
                 return fused / gemm, f"fused {fused:.3f} ms, bf16 GEMM {gemm:.3f} ms"
         raise _broken(part, "row of shape {} x {} -> {}".format(*shape))
     return measure
