@@ -289,7 +289,6 @@ WGRAD_SHAPES = ((4096, 1024, 4096), (4096, 4096, 1024), (2048, 1024, 3072))  # b
 
 def _targets() -> list:
     bench = "bench, bench-fused"
-    optim = "optim"
     t = [
         Target("build", "CUDA extension built and loaded (backend cuda-ext)", ">=", 1.0, "ok", _build, "build"),
         Target("suite", "whole suite, LIGHTNING_AMP_REQUIRE_EXT=1: 0 failed, no crash, > 0 passed", ">=", 1.0, "ok",
@@ -311,14 +310,14 @@ def _targets() -> list:
     for mode, torch_name in (("fp32", "torch fused AdamW"), ("master", "torch fused AdamW on fp32 masters + copies"),
                              ("bf16", "torch fused AdamW")):
         t.append(Target(f"fused_adam_{mode}_vs_torch", f"FusedAdam {mode} step / {torch_name}", "<=", 1.0, "x",
-                        _vs_torch("adamw", mode), optim))
+                        _vs_torch("adamw", mode), "optim"))
         t.append(Target(f"fused_adam_{mode}_bandwidth", f"FusedAdam {mode} share of copy bandwidth", ">=", 0.85, "%",
-                        _of_bandwidth("adamw", mode), optim))
+                        _of_bandwidth("adamw", mode), "optim"))
     for mode in ("fp32", "bf16"):
         t.append(Target(f"scale_{mode}_bandwidth", f"multi_tensor_scale {mode} share of copy bandwidth", ">=", 0.85,
-                        "%", _of_bandwidth("scale", mode), optim))
+                        "%", _of_bandwidth("scale", mode), "optim"))
         t.append(Target(f"l2norm_{mode}_vs_foreach_norm", f"multi_tensor_l2norm {mode} / torch._foreach_norm", "<=",
-                        1.0, "x", _vs_torch("l2norm", mode), optim))
+                        1.0, "x", _vs_torch("l2norm", mode), "optim"))
     for shape in WGRAD_SHAPES:
         t.append(Target("wgrad_{}x{}x{}".format(*shape),
                         "wgrad into fp32 main_grad / plain bf16 GEMM, {} x {} -> {}".format(*shape), "<=", 1.03, "x",
