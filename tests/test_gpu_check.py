@@ -214,8 +214,8 @@ def test_a_json_infinity_in_a_part_file_fails(tmp_path):
 def test_a_suite_in_which_no_test_passed_fails(part, counts):
     parts = good_parts()
     parts[part] = _part(part, _junit(**counts))
-    assert _verdict(parts, "suite" if part == "suite" else "no_host_sync").status == FAIL
-    assert "0 passed" in _verdict(parts, "suite" if part == "suite" else "no_host_sync").detail
+    verdict = _verdict(parts, "suite" if part == "suite" else "no_host_sync")
+    assert verdict.status == FAIL and "0 passed" in verdict.detail, verdict
 
 
 @pytest.mark.parametrize("content", ["{not json", "", "[1, 2]", "\xff\xfe"])
