@@ -12,7 +12,7 @@ run in a fresh process, the two forwards alternating ``rounds`` times:
   list runs ``layer_norm``, ``softmax``, ``sum``, ``pow``, ... in fp32).
 
 OUT gets the worker's records, each with ``"o2_forward"`` set, rewritten after every run (a part that
-times out keeps what it measured). The verdict (``o2_forward_vs_autocast`` in
+times out keeps what it measured). The verdict (``o2_half_ops_vs_fp32_ops`` in
 :mod:`~lightning_amp.bench.gpu_targets`) compares the medians of the two.
 """
 from __future__ import annotations
