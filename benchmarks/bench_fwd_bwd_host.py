@@ -6,9 +6,9 @@ is negligible, so what is timed is what each precision adds per forward and back
 * ``bf16-true``: the model cast to bf16 (Lightning's ``bf16-true``);
 * ``bf16-mixed``: fp32 params under ``torch.autocast`` (Lightning's ``bf16-mixed``: a cast of every
   weight per forward inside autocast, and of every grad back in backward);
-* ``O2``: fp32 params seen as half copies (``HalfParams``), half default dtype and input casts
-  (``half_inputs``): O2's forward context as shipped;
-* ``O2+autocast``: the same under ``torch.autocast`` instead of the input casts (O2's former forward).
+* ``O2``: O2's forward context as shipped (:func:`lightning_amp.amp.forward.forward_context`: autocast,
+  O1's cast context, O2's op policy registered and active);
+* ``O2 fp32 lists``: the same with ``norm_policy="fp32"`` (no op policy).
 
 Configurations are interleaved round after round; the median CPU time of the thread per
 forward+backward is printed with its ratio to ``bf16-true``::
@@ -28,9 +28,10 @@ import time
 import torch
 from torch import nn
 
-from lightning_amp.amp.half_inputs import half_inputs
-from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
-from lightning_amp.amp.module_cast import default_dtype
+from lightning_amp.amp import o2_policy
+from lightning_amp.amp.forward import forward_context
+from lightning_amp.amp.levels import resolve_properties
+from lightning_amp.amp.module_cast import prepare_o2_module_
 
 LAYERS, WIDTH, BATCH = 101, 32, 8
 HALF = torch.bfloat16
@@ -41,7 +42,6 @@ def _configs():
     fp32 = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     half = copy.deepcopy(fp32).to(HALF)
     o2 = prepare_o2_module_(copy.deepcopy(fp32), HALF, keep_batchnorm_fp32=True)
-    copies = HalfParams(o2, HALF, keep_batchnorm_fp32=True, watch_writes=False)
     x = torch.randn(BATCH, WIDTH)
 
     def true():
@@ -52,17 +52,16 @@ def _configs():
             loss = fp32(x).float().square().mean()
         loss.backward()
 
-    def o2_shipped():
-        with copies, default_dtype(HALF), half_inputs(o2, HALF, keep_batchnorm_fp32=True):
-            loss = o2(x.to(HALF)).float().square().mean()
-        loss.backward()
+    def o2_forward(norm_policy):
+        props = resolve_properties("O2", dtype=HALF, norm_policy=norm_policy)
 
-    def o2_autocast():
-        with copies, default_dtype(HALF), torch.autocast("cpu", dtype=HALF, cache_enabled=False):
-            loss = o2(x.to(HALF)).float().square().mean()
-        loss.backward()
+        def run():
+            with forward_context(props, "cpu"):
+                loss = o2(x).float().square().mean()
+            loss.backward()
+        return run
 
-    return {"bf16-true": true, "bf16-mixed": mixed, "O2": o2_shipped, "O2+autocast": o2_autocast}
+    return {"bf16-true": true, "bf16-mixed": mixed, "O2": o2_forward("half"), "O2 fp32 lists": o2_forward("fp32")}
 
 
 def main(argv=None) -> int:
@@ -72,6 +71,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     configs = _configs()
+    policy = o2_policy.hold()  # registered for the whole run, as the Trainer plugin holds it
     times = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, run in configs.items():
@@ -79,6 +79,7 @@ def main(argv=None) -> int:
                 start = time.thread_time()
                 run()
                 times[name].append(time.thread_time() - start)
+    policy.release()
     med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     print(f"{LAYERS} x Linear({WIDTH},{WIDTH}), batch {BATCH}, bf16, 1 thread, forward+backward, median of "
           f"{args.rounds} x {args.reps}, thread clock, torch {torch.__version__}, "

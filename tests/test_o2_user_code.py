@@ -571,3 +571,50 @@ def test_transformer_encoder_fast_path_in_eval(monkeypatch):
         _fit(_Encoder(), precision, _batches(2, 4, 5, 8), steps=2, validate=True, val_check_interval=1)
         calls[precision] = len(count)
     assert calls["O2"] == calls["bf16-true"] == calls["bf16-mixed"] > 0
+
+
+# ------------------------------------------------------------------------ D. the process around the run
+
+
+def test_a_bf16_mixed_forward_on_another_thread_during_an_o2_fit_gets_torchs_autocast():
+    """O2's op policy is registered over torch's autocast kernels during the fit and switched on per
+    thread: a bf16-mixed forward running on another thread meanwhile computes exactly what it computes
+    with nothing registered, and after the fit nothing is left (kernels, patches, default dtype)."""
+    import threading
+
+    from lightning_amp.amp.casts import patch_depth
+
+    torch.manual_seed(3)
+    other = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(32, 8)
+    scale = nn.Parameter(torch.randn(16))
+
+    def mixed_forward():
+        with torch.autocast("cpu", dtype=BF16), torch.no_grad():
+            hidden = other[0](x) * scale  # an fp32 Parameter promotes, as torch's autocast has it (O2 casts it)
+            assert hidden.dtype == torch.float32
+            return other[3](other[2](other[1](hidden)))
+
+    reference = mixed_forward()
+    results, stop = [], threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            results.append(mixed_forward())
+
+    class _Overlap(L.Callback):  # the thread runs while the fit's forwards and backwards do
+        def on_train_start(self, trainer, pl_module):
+            self.thread = threading.Thread(target=loop)
+            self.thread.start()
+
+        def on_train_end(self, trainer, pl_module):
+            stop.set()
+            self.thread.join()
+
+    _fit(_Classifier(), "O2", _batches(8, 16, 8), steps=8, callbacks=[_Overlap()])
+    assert results
+    mismatched = [i for i, r in enumerate(results) if r.dtype != reference.dtype or not torch.equal(r, reference)]
+    assert mismatched == [], (len(results), mismatched[:10], [results[i].dtype for i in mismatched[:3]])
+    assert o2_policy.installs() == 0 and not o2_policy.active() and patch_depth() == 0
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.equal(mixed_forward(), reference)

@@ -1,5 +1,7 @@
 """AmpO2Plugin under Trainer(strategy="ddp", devices=2, accelerator="cpu") with gloo, real processes.
 
+(Also: ``find_unused_parameters`` and ``static_graph``, against ``bf16-mixed``; ddp_graph_script.py.)
+
 Rank 1 alone sees an inf gradient at one step (written after DDP's all-reduce): both ranks must skip
 that step, back the scale off and stay bitwise identical. Gradient accumulation (2 micro-batches)
 happens on the fp32 Parameters, and the grads of the no_sync micro-batch must still be averaged across
@@ -14,9 +16,10 @@ from pathlib import Path
 import torch
 
 SCRIPT = Path(__file__).with_name("precision_ddp_script.py")
+GRAPH_SCRIPT = Path(__file__).with_name("ddp_graph_script.py")
 
 
-def _run(out_dir: Path, devices: int) -> None:
+def _run(out_dir: Path, devices: int, script: Path = SCRIPT) -> None:
     env = dict(os.environ)
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -27,7 +30,7 @@ def _run(out_dir: Path, devices: int) -> None:
         sock.bind(("127.0.0.1", 0))
         env["MASTER_PORT"] = str(sock.getsockname()[1])
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out_dir), str(devices)],
+        [sys.executable, str(script), str(out_dir)] + ([str(devices)] if script == SCRIPT else []),
         env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -56,3 +59,29 @@ def test_ddp_inf_on_one_rank_skips_everywhere_and_accumulates_in_fp32(tmp_path, 
     assert all(torch.equal(m, h) for m, h in zip(rank0["masters"], rank0["halves"]))
     for a, b in zip(rank0["masters"], single["masters"]):
         assert torch.allclose(a, b, atol=2e-3, rtol=0), (a - b).abs().max()
+
+
+def test_o2_trains_like_bf16_mixed_under_ddp_with_unused_parameters_and_a_static_graph(tmp_path):
+    """``find_unused_parameters=True`` and ``static_graph=True``: DDP's hooks fire on O2's fp32
+    Parameters (autocast's casts keep them in the graph), an unused branch gets no grad and stays put,
+    both ranks hold the same weights, and O2's losses and weights follow bf16-mixed's."""
+    _run(tmp_path, 2, GRAPH_SCRIPT)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for graph in ("find_unused_parameters", "static_graph"):
+        o2, mixed = ranks[0][(graph, "O2")], ranks[0][(graph, "bf16-mixed")]
+        for a, b in zip(o2["params"], ranks[1][(graph, "O2")]["params"]):
+            assert torch.equal(a, b), graph  # the ranks agree
+        assert o2["dtypes"] == {torch.float32}
+        assert o2["unused_grad"] is None and not o2["unused_moved"], graph
+        assert mixed["losses"][0] - mixed["losses"][-1] > 0.1, mixed["losses"]
+        assert max(abs(a - b) for a, b in zip(o2["losses"], mixed["losses"])) < 0.02, (o2["losses"], mixed["losses"])
+        start = _branchy_start()
+        for got, ref, init in zip(o2["params"], mixed["params"], start):
+            assert (got - ref).norm() < 0.1 * (ref - init).norm(), graph  # well within how far training moved them
+
+
+def _branchy_start():
+    sys.path.insert(0, str(GRAPH_SCRIPT.parent))
+    import ddp_graph_script
+
+    return [p.detach() for p in ddp_graph_script.Branchy().body.parameters()]

@@ -1,11 +1,13 @@
 """Activation checkpointing (torch.utils.checkpoint, Hugging Face gradient_checkpointing) at O1-O3.
 
-The forward re-run inside backward must see what the forward saw (half copies of the fp32 params
-at O2, the half default dtype at O2/O3): then the grads of a checkpointed run equal, bit for bit,
+The forward re-run inside backward must see what the forward saw (O2's op policy, O3's half default
+dtype): then the grads of a checkpointed run equal, bit for bit,
 the grads of the same run without checkpointing, as they do under Lightning's own precisions.
 Without it, non-reentrant checkpointing refuses the recomputed tensors at O2 and O3, and reentrant
-checkpointing at O2 differentiates an fp32 recompute (different grads).
+checkpointing differentiates another function than the forward's (different grads).
 """
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -133,3 +135,43 @@ def test_fabric_backward_recomputes_with_the_levels_dtypes(level, reentrant):
     assert plain.keys() == checkpointed.keys() and len(plain) == 12
     for name, grad in plain.items():
         assert torch.equal(checkpointed[name], grad), name
+
+
+def test_a_forward_another_thread_runs_during_the_backward_is_no_recompute():
+    """recompute_context's hook sees every module forward in the process while the backward runs; only
+    those autograd's backward runs are recomputes. Another thread's forward, run while the backward
+    is in progress (held there by a Function's backward), must not enter the level's state."""
+    from lightning_amp.amp.recompute import recompute_context
+
+    calls = []
+
+    class _State:
+        def enter(self):
+            calls.append(("enter", threading.current_thread().name))
+
+        def join(self):
+            calls.append(("join", threading.current_thread().name))
+
+        def exit(self):
+            calls.append(("exit", threading.current_thread().name))
+
+    layer = nn.Linear(2, 2)
+
+    class _Pause(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            other = threading.Thread(target=lambda: layer(torch.ones(2)), name="other")
+            other.start()
+            other.join()  # the other thread's forward ran while this backward runs
+            layer(torch.ones(2))  # a forward autograd's backward runs: a recompute
+            return grad
+
+    x = torch.ones(2, requires_grad=True)
+    with recompute_context(_State()):
+        _Pause.apply(x).sum().backward()
+    me = threading.current_thread().name
+    assert calls == [("enter", me), ("join", me), ("exit", me)]

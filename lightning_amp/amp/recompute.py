@@ -16,7 +16,8 @@ one that produced the loss.
 :func:`recompute_context` wraps a backward call. The first module forward that starts inside it (on
 any thread: a CUDA backward runs on the device's autograd thread) enters the level's state, every
 module forward inside it joins its thread to that state, and the state holds until the backward
-returns. A backward that recomputes nothing pays for registering and removing one global forward
+returns. Only forwards that autograd's backward runs count (``torch._C._current_graph_task_id()``, as
+torch's checkpoint tells them apart): a forward another thread runs meanwhile is left alone. A backward that recomputes nothing pays for registering and removing one global forward
 pre-hook. What O1 adds to autocast (functions registered with :mod:`~lightning_amp.amp.casts`) is not
 re-applied in a recompute: keep such calls outside checkpointed regions. Ops of a checkpointed
 function that run before its first module forward are not covered either.
@@ -27,6 +28,7 @@ import contextlib
 import threading
 from typing import Iterator, Protocol
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -44,12 +46,20 @@ class RecomputeState(Protocol):
         """On the thread that called backward, when it returns."""
 
 
+def _graph_task_id() -> int:
+    """The id of the backward the calling thread is executing, -1 outside one (how torch's own
+    non-reentrant checkpoint tells a recompute apart)."""
+    return torch._C._current_graph_task_id()
+
+
 @contextlib.contextmanager
 def recompute_context(state: RecomputeState) -> Iterator[None]:
     """Around a backward: module forwards re-run inside it get ``state`` (see the module docstring)."""
     lock, entered = threading.Lock(), [False]
 
     def enter_state(module: nn.Module, args: tuple) -> None:
+        if _graph_task_id() == -1:
+            return  # not run by autograd's backward: another thread's forward, not a recompute
         with lock:
             if not entered[0]:
                 entered[0] = True
