@@ -7,11 +7,11 @@ fp32 and only buffers become half, :mod:`lightning_amp.amp.half_params`) -> ``co
 skip-aware) -> per step ``convert_input``, ``forward_context`` (O2: half copies of the params),
 ``pre_backward`` (loss * scale), ``optimizer_step``.
 
-``optimizer_step``: run the closure, unscale or, for optimizers that
-unscale in their kernel (``_step_supports_amp_scaling``) when no clipping is requested, only check
-(``on_before_optimizer_step`` then sees scaled grads, as with GradScaler); agree on ``found_inf``
-across ranks (an all-reduce MAX of the device flag), ``_after_closure`` (hooks, clipping), then
-step. On inf/nan the step is skipped on the device: params, optimizer state and the LR scheduler
+``optimizer_step``: run the closure, unscale (``on_before_optimizer_step`` and clipping see unscaled
+grads with every optimizer; only when neither the module nor a callback overrides that hook and no
+clipping is requested does an optimizer that unscales in its kernel, ``_step_supports_amp_scaling``,
+get them still scaled); agree on ``found_inf`` across ranks (an all-reduce MAX of the device flag),
+``_after_closure`` (hooks, clipping), then step. On inf/nan the step is skipped on the device: params, optimizer state and the LR scheduler
 (``interval="step"``) stay as they were and the scale backs off; when the flag reaches the host
 (:mod:`lightning_amp.amp.gate`) the grads are dropped and the offending param names logged at
 debug level (a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row). No host sync on
@@ -43,6 +43,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixi
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp import forward as amp_forward
@@ -311,13 +312,19 @@ class AmpPrecision(Precision):
         return tensor
 
     @staticmethod
-    def _clipping_requested(model: "pl.LightningModule") -> bool:
+    def _grads_read_before_step(model: "pl.LightningModule") -> bool:
+        """Whether anything between the closure and the step may read the grads (then they are unscaled
+        first, see :meth:`AmpEngine.step`): an ``on_before_optimizer_step`` of the module or of a callback,
+        or clipping (``gradient_clip_val``, an own ``configure_gradient_clipping``)."""
+        trainer = model._trainer
+        if trainer is None or is_overridden("on_before_optimizer_step", model, pl.LightningModule):
+            return True
+        if any(is_overridden("on_before_optimizer_step", callback, pl.Callback) for callback in trainer.callbacks):
+            return True
         if not model.automatic_optimization:
             return False  # manual clipping goes through clip_gradients, which unscales first
-        trainer = model._trainer
-        if trainer is not None and trainer.gradient_clip_val:
-            return True
-        return type(model).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
+        return bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", model,
+                                                                pl.LightningModule)
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -334,8 +341,8 @@ class AmpPrecision(Precision):
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
             return None
-        self._engine.step(optimizer, lambda: self._after_closure(model, optimizer), self._clipping_requested(model),
-                          **kwargs)
+        self._engine.step(optimizer, lambda: self._after_closure(model, optimizer),
+                          self._grads_read_before_step(model), **kwargs)
         if self._half_params is not None:
             self._half_params.refresh()  # a manual step inside training_step: its next forward sees it
         self._log_metrics(model)

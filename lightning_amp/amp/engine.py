@@ -76,17 +76,20 @@ class AmpEngine:
         self._states.append(state)
         return state
 
-    def step(self, optimizer: torch.optim.Optimizer, after_unscale: Callable[[], None], clipping: bool,
+    def step(self, optimizer: torch.optim.Optimizer, after_unscale: Callable[[], None], grads_read: bool,
              **step_kwargs: Any) -> None:
-        """One optimizer step once the backward(s) ran: settle deferred scheduler calls, unscale the grads
-        (or only inspect them when the optimizer unscales in its kernel and no ``clipping`` needs them
-        unscaled), agree on overflow across ranks, ``after_unscale()`` (hooks, clipping), then step or
-        skip on the device."""
+        """One optimizer step once the backward(s) ran: settle deferred scheduler calls, unscale the grads,
+        agree on overflow across ranks, ``after_unscale()`` (hooks, clipping), then step or skip on the device.
+
+        ``grads_read``: ``after_unscale`` may read the grads (a user hook, a callback, clipping); they are
+        then always unscaled first. Only when nothing reads them and the optimizer unscales in its own
+        kernel (the ``protocol`` driver: FusedAdam & co., torch ``fused=True``) are they merely checked
+        and handed over still scaled, saving a write pass over the grads."""
         state = self.state_of(optimizer)
         state.gate.settle_deferred()  # deferred scheduler calls set the lr read below
         factor = state.grad_factor
-        in_kernel = (unscales_in_step(state.optimizer) and state.driver == "protocol" and factor is not None
-                     and not (isinstance(factor, float) and factor == 1.0) and not clipping)
+        in_kernel = (not grads_read and unscales_in_step(state.optimizer) and state.driver == "protocol"
+                     and factor is not None and not (isinstance(factor, float) and factor == 1.0))
         found_inf = agree(state.inspect() if in_kernel else state.unscale())
         after_unscale()
         state.apply(found_inf, in_kernel, **step_kwargs)

@@ -132,7 +132,7 @@ class AmpPrecision(_TrainerAmpPrecision):
             return state.optimizer.step(**kwargs)
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
-        self._engine.step(state.optimizer, lambda: None, clipping=False, **kwargs)
+        self._engine.step(state.optimizer, lambda: None, grads_read=False, **kwargs)
         if self._half_params is not None:
             self._half_params.refresh()  # a step inside `with fabric.autocast():`: the next forward sees it
         return result
