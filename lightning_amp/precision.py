@@ -303,13 +303,8 @@ class AmpPrecision(Precision):
         return super().pre_backward(self._scaled(tensor), module)
 
     def _scaled(self, tensor: Tensor) -> Tensor:
-        """``tensor`` times the scale of the next backward (in fp32); unchanged at a static scale of 1."""
-        scale = self._engine.backward_scale()
-        if isinstance(scale, Tensor) or scale != 1.0:
-            if tensor.dtype in (torch.float16, torch.bfloat16):
-                tensor = tensor.float()
-            tensor = tensor * scale
-        return tensor
+        """The loss times the scale of its backward: :meth:`AmpEngine.scale_loss`."""
+        return self._engine.scale_loss(tensor)
 
     @staticmethod
     def _grads_read_before_step(model: "pl.LightningModule") -> bool:
