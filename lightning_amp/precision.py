@@ -11,8 +11,8 @@ skip-aware) -> per step ``convert_input``, ``forward_context`` (O2: half copies 
 grads with every optimizer; only when neither the module nor a callback overrides that hook and no
 clipping is requested does an optimizer that unscales in its kernel, ``_step_supports_amp_scaling``,
 get them still scaled); agree on ``found_inf`` across ranks (an all-reduce MAX of the device flag),
-``_after_closure`` (hooks, clipping), then step. On inf/nan the step is skipped on the device: params, optimizer state and the LR scheduler
-(``interval="step"``) stay as they were and the scale backs off; when the flag reaches the host
+``_after_closure`` (hooks, clipping), then step. On inf/nan the step is skipped on the device:
+params, optimizer state and the LR scheduler (``interval="step"``) stay as they were and the scale backs off; when the flag reaches the host
 (:mod:`lightning_amp.amp.gate`) the grads are dropped and the offending param names logged at
 debug level (a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row). No host sync on
 the way with plain torch Adam/AdamW/SGD or protocol optimizers (see :mod:`lightning_amp.amp.step`
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -51,7 +51,8 @@ from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.half_params import HalfParams, prepare_o2_module_
-from lightning_amp.amp.levels import AmpProperties, check_scaler_keywords, resolve_properties
+from lightning_amp.amp.levels import (AmpProperties, DtypeName, OptLevelName, OutputDtypeName, check_scaler_keywords,
+                                      resolve_properties)
 from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
 from lightning_amp.amp.recompute import recompute_context
@@ -81,13 +82,15 @@ class AmpPrecision(Precision):
 
     Args:
         opt_level: "O0" (fp32), "O1" (autocast + cast lists), "O2" (fp32 params seen as half copies
-            in forward, half buffers, fp32 BatchNorm, fp32 grads and update), "O3" (pure half).
+            in forward, half buffers, fp32 BatchNorm, fp32 grads and update), "O3" (pure half);
+            case-insensitive.
         dtype: "float16", "bfloat16", a torch dtype, or "auto" (bfloat16 on CPU and on CUDA
             devices that support it, else float16).
         loss_scale: a positive static scale or "dynamic"; None is the level's default (1.0 with
-            bfloat16).
+            bfloat16). A number as a string ("128.0", as apex took it from argparse) is that number.
         keep_batchnorm_fp32, master_weights, cast_model_outputs: overrides of the level's
-            defaults (None keeps them); contradictions raise ValueError.
+            defaults (None keeps them; apex's strings "True"/"False" are True/False); contradictions
+            raise ValueError.
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
         min_loss_scale, max_loss_scale: the dynamic :class:`~lightning_amp.amp.scaler.LossScaler`.
         combine_grad: the grads of the params each optimizer steps on live as views in one flat
@@ -104,12 +107,12 @@ class AmpPrecision(Precision):
 
     def __init__(
         self,
-        opt_level: str = "O1",
-        dtype: Union[str, torch.dtype] = "auto",
-        loss_scale: Optional[Union[float, str]] = None,
+        opt_level: OptLevelName = "O1",
+        dtype: Union[DtypeName, torch.dtype] = "auto",
+        loss_scale: Optional[Union[float, Literal["dynamic"]]] = None,
         keep_batchnorm_fp32: Optional[bool] = None,
         master_weights: Optional[bool] = None,
-        cast_model_outputs: Optional[torch.dtype] = None,
+        cast_model_outputs: Optional[Union[OutputDtypeName, torch.dtype]] = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -446,8 +449,9 @@ def _no_opt_level(kwargs: Dict[str, Any], cls_name: str) -> None:
 
 
 _PLUGIN_NAMES = ("AmpPrecision", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin")
-_FABRIC_NAMES = {"AmpPrecision": "AmpPrecision", "AmpO0Plugin": "AmpO0Precision", "AmpO1Plugin": "AmpO1Precision",
-                 "AmpO2Plugin": "AmpO2Precision", "AmpO3Plugin": "AmpO3Precision"}
+_FABRIC_NAMES = {"AmpPrecision": "FabricAmpPrecision", "AmpO0Plugin": "FabricAmpO0Precision",
+                 "AmpO1Plugin": "FabricAmpO1Precision", "AmpO2Plugin": "FabricAmpO2Precision",
+                 "AmpO3Plugin": "FabricAmpO3Precision"}
 
 
 def _report_compute_dtype_to_throughput_monitor() -> None:

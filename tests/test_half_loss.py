@@ -17,7 +17,7 @@ from lightning_amp import AmpPrecision
 from lightning_amp.amp.engine import AmpEngine, root_scale_limit
 from lightning_amp.amp.levels import resolve_properties
 from lightning_amp.amp.scaler import LossScaler
-from lightning_amp.fabric import AmpO1Precision, AmpO2Precision
+from lightning_amp.fabric import FabricAmpO1Precision, FabricAmpO2Precision
 
 TOL = 4e-4  # max |weights - 32-true's| after 4 steps; measured below 1e-4 (float16 forward)
 STEPS = 4
@@ -113,7 +113,7 @@ def test_half_and_fp32_losses_accumulated_in_one_step(flag_timing):
     _assert_close_to_reference(model, reference)
 
 
-@pytest.mark.parametrize("plugin_cls", [AmpO1Precision, AmpO2Precision])
+@pytest.mark.parametrize("plugin_cls", [FabricAmpO1Precision, FabricAmpO2Precision])
 def test_fabric_backward_of_a_half_loss_does_not_skip(plugin_cls):
     weights, plugin = {}, plugin_cls(dtype="float16")
     for name, precision in (("ours", plugin), ("reference", "32-true")):

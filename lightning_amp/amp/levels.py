@@ -35,13 +35,14 @@ import inspect
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 
 LossScaleSpec = Union[float, str]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
+
 
 _DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType(
     {
@@ -102,6 +103,14 @@ O2 = AmpProperties("O2", torch.float16, True, False, True, True, "dynamic", torc
 O3 = AmpProperties("O3", torch.float16, True, False, False, False, 1.0, None)
 
 LEVEL_DEFAULTS: Mapping[str, AmpProperties] = MappingProxyType({"O0": O0, "O1": O1, "O2": O2, "O3": O3})
+
+
+# The names each argument takes, as annotations (built from the tables above): LightningCLI (jsonargparse)
+# checks them when it parses a config or a command line, so a bad value is a usage error there, not a
+# traceback. Level names are matched case-insensitively (both spellings listed).
+OptLevelName = Literal[(*OPT_LEVELS, *(level.lower() for level in OPT_LEVELS))]  # type: ignore[misc]
+DtypeName = Literal[("auto", *_DTYPE_NAMES, *_FP32_NAMES)]  # type: ignore[misc]
+OutputDtypeName = Literal[tuple(_OUTPUT_DTYPE_NAMES)]  # type: ignore[misc]
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype], device_type: str = "cpu") -> torch.dtype:
