@@ -6,8 +6,9 @@ CPU. Readers compute the apex way, ``clip_grad_norm_(main_params(optimizer), inf
 ``on_before_optimizer_step``. The effect named is the loss scale (2**10 to 2**16 times the norm); the
 tolerance is rounding: at O0 (a power-of-two static scale divides out exactly) equal at the first step
 and within ``FP32_RTOL`` after; where forward runs in float16, ``HALF_RTOL`` at the first step (equal
-weights) and a factor of 2 after, where the float16 trajectories have drifted. Former behaviour: FusedAdam/FusedLAMB/FusedSGD handed the hook grads still
-multiplied by the scale (norm 984 for 0.96 at scale 1024) while torch AdamW/SGD handed them unscaled.
+weights) and a factor of 2 after, where the float16 trajectories have drifted. Former behaviour:
+FusedAdam/FusedLAMB/FusedSGD handed the hook grads still multiplied by the scale (norm 984 for 0.96 at
+scale 1024) while torch AdamW/SGD handed them unscaled.
 """
 import functools
 import math
