@@ -12,12 +12,12 @@ grads with every optimizer; only when neither the module nor a callback override
 clipping is requested does an optimizer that unscales in its kernel, ``_step_supports_amp_scaling``,
 get them still scaled); agree on ``found_inf`` across ranks (an all-reduce MAX of the device flag),
 ``_after_closure`` (hooks, clipping), then step. On inf/nan the step is skipped on the device:
-params, optimizer state and the LR scheduler (``interval="step"``) stay as they were and the scale backs off; when the flag reaches the host
-(:mod:`lightning_amp.amp.gate`) the grads are dropped and the offending param names logged at
-debug level (a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row). No host sync on
-the way with plain torch Adam/AdamW/SGD or protocol optimizers (see :mod:`lightning_amp.amp.step`
-for the drivers and the one host read of the first step). Non-finite grads are skipped at every
-level and scale, static 1.0 and bf16 included.
+params, optimizer state and the LR scheduler (``interval="step"``) stay as they were and the scale
+backs off; when the flag reaches the host (:mod:`lightning_amp.amp.gate`) the grads are dropped and
+the offending param names logged at debug level (a warning after every ``OVERFLOW_WARN_AFTER``
+overflows in a row). No host sync on the way with plain torch Adam/AdamW/SGD or protocol optimizers
+(see :mod:`lightning_amp.amp.step` for the drivers and the one host read of the first step).
+Non-finite grads are skipped at every level and scale, static 1.0 and bf16 included.
 
 Under O2 the optimizer holds the module's own fp32 Parameters and their grads are fp32 (the
 half copies forward used hand their grads back through autograd's cast), so ``p.grad``,

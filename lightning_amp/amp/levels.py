@@ -43,7 +43,6 @@ LossScaleSpec = Union[float, str]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 
-
 _DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType(
     {
         "float16": torch.float16,
@@ -182,8 +181,8 @@ def _check_optional_bool(value: object, name: str) -> Optional[bool]:
         return _APEX_BOOL_STRINGS[value]
     if value is None or isinstance(value, bool):
         return value
-    raise ValueError(f'`{name}` must be True, False or None (the level\'s default), or apex\'s strings "True"/"False"; '
-                     f"got {value!r}")
+    raise ValueError(f"`{name}` must be True, False or None (the level's default), or apex's strings "
+                     f'"True"/"False"; got {value!r}')
 
 
 def _check_output_dtype(value: object) -> Optional[torch.dtype]:
