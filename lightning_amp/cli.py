@@ -61,7 +61,8 @@ def _comma_list(allowed: Sequence[str], what: str):
 
 
 def _suggestion(unknown: Sequence[str], parser: argparse.ArgumentParser) -> str:
-    """" (did you mean --levels?)" for the first unknown ``--flag`` close to one of ``parser``'s, else ""."""
+    """The hint ``" (did you mean --levels?)"`` for the first unknown ``--flag`` close to one of
+    ``parser``'s flags; "" when none is close."""
     flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
     for arg in unknown:
         if arg.startswith("--"):
