@@ -5,7 +5,7 @@
     python examples/fabric_tiny_gpt.py --precision bf16-mixed           # Fabric's own precision, same loop
     python examples/fabric_tiny_gpt.py --strategy tp_fused --devices 2  # tensor parallel over 2 processes
 
-``--precision`` takes a lightning-amp level (``O0``..``O3``, a :class:`lightning_amp.fabric.AmpPrecision`
+``--precision`` takes a lightning-amp level (``O0``..``O3``, a :class:`lightning_amp.fabric.FabricAmpPrecision`
 plugin) or one of Fabric's precision strings (``32-true``, ``bf16-mixed``, ``bf16-true``, ...). The loop:
 ``fabric.launch``, ``fabric.setup``, gradient accumulation under ``fabric.no_backward_sync``,
 ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.save`` / ``fabric.load``. Batch ``i`` of the
@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_amp.fabric import AmpPrecision, TensorParallelStrategy
+from lightning_amp.fabric import FabricAmpPrecision, TensorParallelStrategy
 
 
 class Attention(nn.Module):
@@ -91,7 +91,7 @@ def make_fabric(precision: str, devices: int, strategy: str = "", tp: int = 0) -
         strategy = TensorParallelStrategy(tensor_parallel_size=tp)
     kwargs = dict(accelerator="cpu", devices=devices, strategy=strategy or ("ddp" if devices > 1 else "auto"))
     if precision in ("O0", "O1", "O2", "O3"):
-        return L.Fabric(plugins=[AmpPrecision(opt_level=precision)], **kwargs)
+        return L.Fabric(plugins=[FabricAmpPrecision(opt_level=precision)], **kwargs)
     return L.Fabric(precision=precision, **kwargs)
 
 

@@ -11,13 +11,15 @@ precisions) in a fresh process, with the batches drawn on the device before timi
 table (step time over a window of steps, samples/s, the optimizer that ran, speed-up and peak memory
 against fp32 and against Lightning's bf16-mixed, final loss against chance and against fp32); it
 writes DIR/bench.json, DIR/bench.png and DIR/bench.md. Defaults depend on the device: tiny models on
-CPU, BERT-base at batch 256 (and the others GPU-sized) on CUDA. Bad arguments exit with status 2
-and a usage message.
+CPU, BERT-base at batch 256 (and the others GPU-sized) on CUDA. Names (levels, models, dtype, ...)
+are case-insensitive. Bad arguments exit with status 2 and the command's usage (an unknown flag with
+the closest known one).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import difflib
 import os
 import shlex
 import sys
@@ -45,14 +47,29 @@ def default_levels(dtype: str) -> list[str]:
 
 
 def _comma_list(allowed: Sequence[str], what: str):
+    """A comma-separated list of names from ``allowed``, matched case-insensitively (``o2`` is ``O2``)."""
+    canonical = {name.lower(): name for name in allowed}
+
     def parse(text: str) -> list[str]:
         items = [item.strip() for item in text.split(",") if item.strip()]
-        unknown = [item for item in items if item not in allowed]
+        unknown = [item for item in items if item.lower() not in canonical]
         if not items or unknown:
             raise argparse.ArgumentTypeError(
                 f"unknown {what} {', '.join(unknown) or repr(text)}; choose from {','.join(allowed)}")
-        return list(dict.fromkeys(items))
+        return list(dict.fromkeys(canonical[item.lower()] for item in items))
     return parse
+
+
+def _suggestion(unknown: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """The hint ``" (did you mean --levels?)"`` for the first unknown ``--flag`` close to one of
+    ``parser``'s flags; "" when none is close."""
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def _int_at_least(minimum: int):
@@ -82,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--levels", type=_comma_list(LEVELS, "level"), default=None,
                        help=f"comma-separated, from {','.join(LEVELS)} (default: {','.join(default_levels('auto'))}; "
                             "with --dtype float16 the 16-mixed/16-true peers)")
-    bench.add_argument("--dtype", choices=DTYPES, default="auto",
+    bench.add_argument("--dtype", type=str.lower, choices=DTYPES, default="auto",
                        help="half dtype of O1-O3; auto = bfloat16 on CPU and bf16-capable GPUs, else float16")
-    bench.add_argument("--accelerator", choices=ACCELERATORS, default="auto",
+    bench.add_argument("--accelerator", type=str.lower, choices=ACCELERATORS, default="auto",
                        help="auto = cuda when torch sees a GPU, else cpu (default: auto)")
     bench.add_argument("--steps", type=_int_at_least(1), default=None,
                        help="timed steps per run (default per model, cpu/cuda: " + ", ".join(
@@ -92,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=_int_at_least(0), default=None,
                        help="untimed warm-up steps per run (default: "
                             f"{DEFAULT_WARMUP['cpu']} on cpu, {DEFAULT_WARMUP['cuda']} on cuda; --quick: 1)")
-    bench.add_argument("--size", choices=SIZES, default=None,
+    bench.add_argument("--size", type=str.lower, choices=SIZES, default=None,
                        help="model size (default: tiny on cpu, base on cuda; --quick: tiny)")
     bench.add_argument("--batch-size", type=_int_at_least(1), default=None,
                        help="samples per step (default: the example's batch for the size on cpu; on cuda "
@@ -101,13 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_int_at_least(1), default=None,
                        help="torch CPU threads per run (default: 1 on cpu, robust on a shared machine; "
                             "torch's default on cuda)")
-    bench.add_argument("--optimizer", choices=OPTIMIZERS, default="example",
+    bench.add_argument("--optimizer", type=str.lower, choices=OPTIMIZERS, default="example",
                        help="example = each example's own (torch AdamW/Adam); fused-adam = lightning-amp's FusedAdam "
                             "in its place, same param groups and hyperparameters (default: example)")
     bench.add_argument("--out", default="bench-out", help="output folder for bench.json/png/md (default: bench-out)")
     bench.add_argument("--quick", action="store_true", help="a smoke run: tiny models, 1 warm-up + 3 timed steps")
 
-    commands.add_parser("info", help="versions, compiled backend and bf16 support of this machine")
+    bench.set_defaults(command_parser=bench)
+
+    info = commands.add_parser("info", help="versions, compiled backend and bf16 support of this machine")
+    info.set_defaults(command_parser=info)
     return parser
 
 
@@ -176,10 +196,13 @@ def _info() -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``lightning-amp`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the command's own parser: its usage, and the flag meant
+        command_parser = getattr(args, "command_parser", parser)
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{_suggestion(unknown, command_parser)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "bench":
-        return _bench(args, parser)
+        return _bench(args, args.command_parser)
     return _info()
 
 

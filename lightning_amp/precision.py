@@ -8,17 +8,17 @@ until ``teardown``, :mod:`lightning_amp.amp.o2_policy`) -> ``connect`` (the
 skip-aware) -> per step ``convert_input``, ``forward_context`` (:mod:`lightning_amp.amp.forward`),
 ``pre_backward`` (loss * scale), ``optimizer_step`` -> ``teardown`` (the model handed back plain).
 
-``optimizer_step``: run the closure, unscale or, for optimizers that
-unscale in their kernel (``_step_supports_amp_scaling``) when no clipping is requested, only check
-(``on_before_optimizer_step`` then sees scaled grads, as with GradScaler); agree on ``found_inf``
-across ranks (an all-reduce MAX of the device flag), ``_after_closure`` (hooks, clipping), then
-step. On inf/nan the step is skipped on the device: params, optimizer state and the LR scheduler
-(``interval="step"``) stay as they were and the scale backs off; when the flag reaches the host
-(:mod:`lightning_amp.amp.gate`) the grads are dropped and the offending param names logged at
-debug level (a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row). No host sync on
-the way with plain torch Adam/AdamW/SGD or protocol optimizers (see :mod:`lightning_amp.amp.step`
-for the drivers and the one host read of the first step). Non-finite grads are skipped at every
-level and scale, static 1.0 and bf16 included.
+``optimizer_step``: run the closure, unscale (``on_before_optimizer_step`` and clipping see unscaled
+grads with every optimizer; only when neither the module nor a callback overrides that hook and no
+clipping is requested does an optimizer that unscales in its kernel, ``_step_supports_amp_scaling``,
+get them still scaled); agree on ``found_inf`` across ranks (an all-reduce MAX of the device flag),
+``_after_closure`` (hooks, clipping), then step. On inf/nan the step is skipped on the device:
+params, optimizer state and the LR scheduler (``interval="step"``) stay as they were and the scale
+backs off; when the flag reaches the host (:mod:`lightning_amp.amp.gate`) the grads are dropped and
+the offending param names logged at debug level (a warning after every ``OVERFLOW_WARN_AFTER``
+overflows in a row). No host sync on the way with plain torch Adam/AdamW/SGD or protocol optimizers
+(see :mod:`lightning_amp.amp.step` for the drivers and the one host read of the first step).
+Non-finite grads are skipped at every level and scale, static 1.0 and bf16 included.
 
 Under O2 the optimizer holds the module's own fp32 Parameters and their grads are fp32 (the
 half copies autocast makes in forward hand their grads back through autograd's cast), so ``p.grad``,
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -44,13 +44,15 @@ from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixi
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.gate import make_scheduler_skip_aware
-from lightning_amp.amp.levels import AmpProperties, check_scaler_keywords, resolve_properties
+from lightning_amp.amp.levels import (AmpProperties, DtypeName, NormPolicyName, OptLevelName, OutputDtypeName,
+                                      check_scaler_keywords, resolve_properties)
 from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook, prepare_o2_module_
 from lightning_amp.amp.o2_policy import PolicyHold, hold as hold_o2_policy
@@ -82,13 +84,14 @@ class AmpPrecision(Precision):
     Args:
         opt_level: "O0" (fp32), "O1" (autocast + cast lists), "O2" (fp32 params, forward under autocast
             with norms, softmax and activations kept half, fp32 BatchNorm, fp32 grads and update),
-            "O3" (pure half).
+            "O3" (pure half); case-insensitive.
         dtype: "float16", "bfloat16", a torch dtype, or "auto" (bfloat16 on CPU and on CUDA
             devices that support it, else float16).
         loss_scale: a positive static scale or "dynamic"; None is the level's default (1.0 with
-            bfloat16).
+            bfloat16). A number as a string ("128.0", as apex took it from argparse) is that number.
         keep_batchnorm_fp32, master_weights, cast_model_outputs: overrides of the level's
-            defaults (None keeps them); contradictions raise ValueError.
+            defaults (None keeps them; apex's strings "True"/"False" are True/False); contradictions
+            raise ValueError.
         half_buffers: O2: store the model's floating buffers in the half dtype (default False: they
             keep the dtype the model gave them).
         norm_policy: O2's forward: "half" (default: norms, softmax and activations in the half dtype,
@@ -109,14 +112,14 @@ class AmpPrecision(Precision):
 
     def __init__(
         self,
-        opt_level: str = "O1",
-        dtype: Union[str, torch.dtype] = "auto",
-        loss_scale: Optional[Union[float, str]] = None,
+        opt_level: OptLevelName = "O1",
+        dtype: Union[DtypeName, torch.dtype] = "auto",
+        loss_scale: Optional[Union[float, Literal["dynamic"]]] = None,
         keep_batchnorm_fp32: Optional[bool] = None,
         master_weights: Optional[bool] = None,
-        cast_model_outputs: Optional[torch.dtype] = None,
+        cast_model_outputs: Optional[Union[OutputDtypeName, torch.dtype]] = None,
         half_buffers: Optional[bool] = None,
-        norm_policy: Optional[str] = None,
+        norm_policy: Optional[NormPolicyName] = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -322,22 +325,23 @@ class AmpPrecision(Precision):
         return super().pre_backward(self._scaled(tensor), module)
 
     def _scaled(self, tensor: Tensor) -> Tensor:
-        """``tensor`` times the scale of the next backward (in fp32); unchanged at a static scale of 1."""
-        scale = self._engine.backward_scale()
-        if isinstance(scale, Tensor) or scale != 1.0:
-            if tensor.dtype in (torch.float16, torch.bfloat16):
-                tensor = tensor.float()
-            tensor = tensor * scale
-        return tensor
+        """The loss times the scale of its backward: :meth:`AmpEngine.scale_loss`."""
+        return self._engine.scale_loss(tensor)
 
     @staticmethod
-    def _clipping_requested(model: "pl.LightningModule") -> bool:
+    def _grads_read_before_step(model: "pl.LightningModule") -> bool:
+        """Whether anything between the closure and the step may read the grads (then they are unscaled
+        first, see :meth:`AmpEngine.step`): an ``on_before_optimizer_step`` of the module or of a callback,
+        or clipping (``gradient_clip_val``, an own ``configure_gradient_clipping``)."""
+        trainer = model._trainer
+        if trainer is None or is_overridden("on_before_optimizer_step", model, pl.LightningModule):
+            return True
+        if any(is_overridden("on_before_optimizer_step", callback, pl.Callback) for callback in trainer.callbacks):
+            return True
         if not model.automatic_optimization:
             return False  # manual clipping goes through clip_gradients, which unscales first
-        trainer = model._trainer
-        if trainer is not None and trainer.gradient_clip_val:
-            return True
-        return type(model).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
+        return bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", model,
+                                                                pl.LightningModule)
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -354,8 +358,8 @@ class AmpPrecision(Precision):
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
             return None
-        self._engine.step(optimizer, lambda: self._after_closure(model, optimizer), self._clipping_requested(model),
-                          **kwargs)
+        self._engine.step(optimizer, lambda: self._after_closure(model, optimizer),
+                          self._grads_read_before_step(model), **kwargs)
         self._log_metrics(model)
         return closure_result
 
@@ -467,8 +471,9 @@ def _no_opt_level(kwargs: Dict[str, Any], cls_name: str) -> None:
 
 
 _PLUGIN_NAMES = ("AmpPrecision", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin")
-_FABRIC_NAMES = {"AmpPrecision": "AmpPrecision", "AmpO0Plugin": "AmpO0Precision", "AmpO1Plugin": "AmpO1Precision",
-                 "AmpO2Plugin": "AmpO2Precision", "AmpO3Plugin": "AmpO3Precision"}
+_FABRIC_NAMES = {"AmpPrecision": "FabricAmpPrecision", "AmpO0Plugin": "FabricAmpO0Precision",
+                 "AmpO1Plugin": "FabricAmpO1Precision", "AmpO2Plugin": "FabricAmpO2Precision",
+                 "AmpO3Plugin": "FabricAmpO3Precision"}
 
 
 def _report_compute_dtype_to_throughput_monitor() -> None:

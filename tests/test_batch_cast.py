@@ -12,7 +12,7 @@ from torch import nn
 from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpPrecision
 from lightning_amp.amp.module_cast import cast_floating
-from lightning_amp.fabric import AmpPrecision as FabricAmpPrecision
+from lightning_amp.fabric import FabricAmpPrecision
 
 F32_MIN = torch.finfo(torch.float32).min
 Pair = collections.namedtuple("Pair", "mask ids")

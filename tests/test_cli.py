@@ -47,6 +47,35 @@ def test_bad_arguments_exit_nonzero_with_usage(argv, message, capsys):
     err = capsys.readouterr().err
     assert "usage: lightning-amp" in err
     assert message in err
+    if argv[:1] == ["bench"]:
+        assert err.startswith("usage: lightning-amp bench ")
+
+
+@pytest.mark.parametrize(
+    "argv, command, message",
+    [
+        (["bench", "--levle", "O2"], "bench", "unrecognized arguments: --levle O2 (did you mean --levels?)"),
+        (["bench", "--quick", "--batchsize=8"], "bench",
+         "unrecognized arguments: --batchsize=8 (did you mean --batch-size?)"),
+        (["bench", "--frobnicate"], "bench", "unrecognized arguments: --frobnicate"),
+        (["info", "--verbose"], "info", "unrecognized arguments: --verbose"),
+    ],
+)
+def test_a_bad_flag_prints_the_commands_usage_with_a_suggestion(argv, command, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: lightning-amp {command} ") and f"lightning-amp {command}: error: {message}\n" in err
+    assert "did you mean" in message or "did you mean" not in err  # no suggestion when nothing is close
+
+
+def test_names_are_case_insensitive():
+    args = cli.build_parser().parse_args(["bench", "--levels", "o2,FP32,Bf16-Mixed,o2", "--models", "BERT",
+                                          "--dtype", "BFloat16", "--accelerator", "CPU", "--size", "Tiny",
+                                          "--optimizer", "Fused-Adam"])
+    assert args.levels == ["O2", "fp32", "bf16-mixed"] and args.models == ["bert"]
+    assert (args.dtype, args.accelerator, args.size, args.optimizer) == ("bfloat16", "cpu", "tiny", "fused-adam")
 
 
 def test_console_script_rejects_bad_arguments():

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_amp import AmpO2Plugin
-from lightning_amp.fabric import AmpO2Precision, AmpPrecision
+from lightning_amp.fabric import FabricAmpO2Precision, FabricAmpPrecision
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -126,16 +126,16 @@ def test_two_processes_match_one_and_skip_together(tmp_path):
 def test_trainer_plugin_in_fabric_names_the_fabric_class():
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[AmpO2Plugin()])
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(TypeError, match=r"AmpO2Plugin is a Lightning Trainer plugin.*lightning_amp\.fabric\.AmpO2Precision"):
+    with pytest.raises(TypeError, match=r"AmpO2Plugin is a Lightning Trainer plugin.*lightning_amp\.fabric\.FabricAmpO2Precision"):
         fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert model.weight.dtype == torch.float32  # refused before anything was cast
 
 
 def test_fabric_plugin_in_trainer_names_the_trainer_class():
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, plugins=[AmpO2Precision()], logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, plugins=[FabricAmpO2Precision()], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     model = BoringModel()
-    with pytest.raises(TypeError, match=r"AmpO2Precision is a Lightning Fabric plugin.*lightning_amp\.AmpO2Plugin"):
+    with pytest.raises(TypeError, match=r"FabricAmpO2Precision is a Lightning Fabric plugin.*lightning_amp\.AmpO2Plugin"):
         trainer.fit(model)
     assert model.layer.weight.dtype == torch.float32
 
@@ -147,7 +147,7 @@ _NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning
 def test_fsdp1_in_fabric_refuses_our_plugins_naming_them():
     """Lightning's FSDP1 strategy only takes its FSDPPrecision: the error names our plugin, level and dtype."""
     with pytest.raises(TypeError, match=r"FSDPPrecision.*AmpPrecision\(opt_level='O1', dtype=torch\.bfloat16"):
-        L.Fabric(accelerator="cuda", devices=2, strategy="fsdp", plugins=[AmpPrecision(opt_level="O1", dtype="bfloat16")])
+        L.Fabric(accelerator="cuda", devices=2, strategy="fsdp", plugins=[FabricAmpPrecision(opt_level="O1", dtype="bfloat16")])
 
 
 @_NEEDS_GPU

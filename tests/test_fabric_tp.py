@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as TrainerDeepSpeedSt
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp import AmpO2Plugin
 from lightning_amp.amp import o2_policy
-from lightning_amp.fabric import AmpO2Precision, AmpPrecision, TensorParallelStrategy
+from lightning_amp.fabric import FabricAmpO2Precision, FabricAmpPrecision, TensorParallelStrategy
 from _net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_tp2_matches_one_process_resumes_exactly_and_moves_checkpoints(tmp_path)
 def test_tp_fused_refuses_other_precision_plugins_when_fabric_is_built(kwargs, named):
     with pytest.raises(TypeError, match=rf"strategy='tp_fused'.*{named}.*Use Fabric's precision='32-true'.*AmpPrecision"):
         L.Fabric(accelerator="cpu", devices=1, strategy="tp_fused", **kwargs)
-    for ok in (dict(precision="bf16-true"), dict(precision="bf16-mixed"), dict(plugins=[AmpO2Precision()])):
+    for ok in (dict(precision="bf16-true"), dict(precision="bf16-mixed"), dict(plugins=[FabricAmpO2Precision()])):
         assert isinstance(L.Fabric(accelerator="cpu", devices=1, strategy="tp_fused", **ok).strategy, TensorParallelStrategy)
 
 
@@ -177,10 +177,10 @@ class _TrainerDeepSpeed(TrainerDeepSpeedStrategy):
 
 
 def test_deepspeed_with_our_fabric_plugin_is_refused_before_anything_is_cast():
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=_FabricDeepSpeed(), plugins=[AmpO2Precision()])
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=_FabricDeepSpeed(), plugins=[FabricAmpO2Precision()])
     fabric.launch()
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(TypeError, match=r"AmpO2Precision\(opt_level='O2'.*cannot run under DeepSpeed \(_FabricDeepSpeed\).*"
+    with pytest.raises(TypeError, match=r"FabricAmpO2Precision\(opt_level='O2'.*cannot run under DeepSpeed \(_FabricDeepSpeed\).*"
                                         r"strategy='deepspeed', precision='bf16-mixed'"):
         fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert fabric.strategy.precision._o2_policy is None and o2_policy.installs() == 0

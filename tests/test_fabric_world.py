@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lightning.pytorch.demos import Transformer
 from torch import nn
 
-from lightning_amp.fabric import AmpPrecision
+from lightning_amp.fabric import FabricAmpPrecision
 from lightning_amp.parallel.main_grad import MainGradBuffer
 from _net import free_port
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _fabric(precision, **amp):
     if precision in ("O1", "O2", "O3"):
-        return L.Fabric(accelerator="cpu", devices=1, plugins=[AmpPrecision(opt_level=precision, **amp)])
+        return L.Fabric(accelerator="cpu", devices=1, plugins=[FabricAmpPrecision(opt_level=precision, **amp)])
     return L.Fabric(accelerator="cpu", devices=1, precision=precision)
 
 

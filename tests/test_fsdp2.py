@@ -218,13 +218,13 @@ def test_o2_under_fsdp2_sets_or_keeps_the_policy_and_batchnorm_follows_keep_batc
 
 
 def _fabric_o2_run(strategy) -> tuple:
-    """4 AdamW steps of a small MLP under Fabric with AmpO2Precision (bf16); returns the (gathered) params
+    """4 AdamW steps of a small MLP under Fabric with FabricAmpO2Precision (bf16); returns the (gathered) params
     and the dtype of the weight the last Linear computed with."""
     from lightning.fabric import Fabric
 
-    from lightning_amp.fabric import AmpO2Precision
+    from lightning_amp.fabric import FabricAmpO2Precision
 
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[AmpO2Precision(dtype="bfloat16")])
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[FabricAmpO2Precision(dtype="bfloat16")])
     fabric.launch()
     torch.manual_seed(0)
     model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))

@@ -114,6 +114,22 @@ def test_overrides_replace_level_defaults():
     assert isinstance(resolve_properties("O1", loss_scale=7).loss_scale, float)
 
 
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_apex_argparse_strings_mean_what_they_meant_in_apex(level):
+    """apex's examples pass ``--loss-scale 128.0 --keep-batchnorm-fp32 True`` through argparse as strings."""
+    assert resolve_properties(level, dtype="fp16", loss_scale="128.0").loss_scale == 128.0
+    assert resolve_properties(level, dtype="fp16", loss_scale=" 1e3 ").loss_scale == 1000.0
+    assert resolve_properties(level, dtype="fp16", loss_scale="dynamic").loss_scale == "dynamic"
+    if level in ("O2", "O3"):
+        for text, value in (("True", True), ("False", False)):
+            props = resolve_properties(level, dtype="fp16", keep_batchnorm_fp32=text, master_weights=text)
+            assert props.keep_batchnorm_fp32 is value and props.master_weights is value
+    else:  # the model is not cast: the string contradicts the level as True/False do
+        with pytest.raises(ValueError, match="`keep_batchnorm_fp32` must be None"):
+            resolve_properties(level, dtype="fp16", keep_batchnorm_fp32="True")
+        assert resolve_properties(level, dtype="fp16", master_weights="False").master_weights is False
+
+
 def test_lowercase_level_is_accepted():
     assert resolve_properties("o2", dtype="fp16") == resolve_properties("O2", dtype="fp16")
 
@@ -129,7 +145,8 @@ def test_zero_instead_of_letter_o_gets_a_hint():
         resolve_properties("02")
 
 
-@pytest.mark.parametrize("bad", [0, 0.0, -1.0, -128, float("inf"), float("nan"), "static", "Dynamic", True, [1.0]])
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, -128, float("inf"), float("nan"), "static", "Dynamic", True, [1.0],
+                                 "0", "-128.0", "inf", "nan", "128.0x", ""])
 def test_bad_loss_scale(bad):
     with pytest.raises(ValueError, match="`loss_scale`.*dynamic.*positive"):
         resolve_properties("O2", dtype="fp16", loss_scale=bad)
@@ -149,7 +166,7 @@ def test_keep_batchnorm_fp32_contradicts_uncast_levels(level, value):
 
 
 @pytest.mark.parametrize("name", ["keep_batchnorm_fp32", "master_weights"])
-@pytest.mark.parametrize("bad", [1, 0, "yes", "True"])
+@pytest.mark.parametrize("bad", [1, 0, "yes", "true", "FALSE", "1", ""])
 def test_boolean_overrides_must_be_bool(name, bad):
     with pytest.raises(ValueError, match=f"`{name}`.*True, False or None"):
         resolve_properties("O2", dtype="fp16", **{name: bad})

@@ -120,7 +120,7 @@ def test_checkpointed_grads_equal_the_plain_runs_grads(kind, reentrant, precisio
 @pytest.mark.parametrize("level", ["O2", "O3"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_fabric_backward_recomputes_with_the_levels_dtypes(level, reentrant):
-    from lightning_amp.fabric import AmpPrecision as FabricAmpPrecision
+    from lightning_amp.fabric import FabricAmpPrecision
 
     def grads(checkpointing):
         fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FabricAmpPrecision(level)])

@@ -13,6 +13,7 @@ into it from its hooks.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -28,6 +29,15 @@ log = logging.getLogger(__name__)
 
 OVERFLOW_WARN_AFTER = 10
 """Overflows in a row of one optimizer after which (and every so many) a one-line warning is issued."""
+
+
+def root_scale_limit(dtype: torch.dtype) -> Optional[float]:
+    """The largest power of two ``dtype`` holds when that caps a loss scale (2**15 for float16, 2**127
+    for bfloat16), None for fp32 and wider: the most a loss of that dtype may be scaled by (see
+    :meth:`AmpEngine.scale_loss`)."""
+    if not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(torch.float32).max:
+        return None
+    return 2.0 ** math.floor(math.log2(torch.finfo(dtype).max))
 
 
 class AmpEngine:
@@ -76,17 +86,20 @@ class AmpEngine:
         self._states.append(state)
         return state
 
-    def step(self, optimizer: torch.optim.Optimizer, after_unscale: Callable[[], None], clipping: bool,
+    def step(self, optimizer: torch.optim.Optimizer, after_unscale: Callable[[], None], grads_read: bool,
              **step_kwargs: Any) -> None:
-        """One optimizer step once the backward(s) ran: settle deferred scheduler calls, unscale the grads
-        (or only inspect them when the optimizer unscales in its kernel and no ``clipping`` needs them
-        unscaled), agree on overflow across ranks, ``after_unscale()`` (hooks, clipping), then step or
-        skip on the device."""
+        """One optimizer step once the backward(s) ran: settle deferred scheduler calls, unscale the grads,
+        agree on overflow across ranks, ``after_unscale()`` (hooks, clipping), then step or skip on the device.
+
+        ``grads_read``: ``after_unscale`` may read the grads (a user hook, a callback, clipping); they are
+        then always unscaled first. Only when nothing reads them and the optimizer unscales in its own
+        kernel (the ``protocol`` driver: FusedAdam & co., torch ``fused=True``) are they merely checked
+        and handed over still scaled, saving a write pass over the grads."""
         state = self.state_of(optimizer)
         state.gate.settle_deferred()  # deferred scheduler calls set the lr read below
         factor = state.grad_factor
-        in_kernel = (unscales_in_step(state.optimizer) and state.driver == "protocol" and factor is not None
-                     and not (isinstance(factor, float) and factor == 1.0) and not clipping)
+        in_kernel = (not grads_read and unscales_in_step(state.optimizer) and state.driver == "protocol"
+                     and factor is not None and not (isinstance(factor, float) and factor == 1.0))
         found_inf = agree(state.inspect() if in_kernel else state.unscale())
         after_unscale()
         state.apply(found_inf, in_kernel, **step_kwargs)
@@ -171,8 +184,26 @@ class AmpEngine:
         self._states.append(state)
         return state
 
-    def backward_scale(self) -> Union[float, Tensor]:
-        """The scale of the next backward: a float when static, else the device tensor (no host read)."""
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss`` times the scale of its backward, multiplied in fp32 (a half ``loss`` is upcast first);
+        ``loss`` itself at a static scale of 1.
+
+        The backward of a half ``loss`` hands the scale itself, in the loss's dtype, to the half graph as
+        the loss's gradient: 2**16, the dynamic scale's start, is inf in float16 (max 65504). The scale of
+        such a backward is therefore at most the largest power of two the loss's dtype holds
+        (:func:`root_scale_limit`: 2**15 for float16); its grads carry that factor and are unscaled by it,
+        and the scalers' own scales are unchanged. A half loss upcast by the user (``loss.float() + aux``)
+        cannot be told apart from an fp32 one: its first step may overflow and the scale backs off."""
+        scale = self.backward_scale(root_scale_limit(loss.dtype))
+        if isinstance(scale, Tensor) or scale != 1.0:
+            if loss.dtype in (torch.float16, torch.bfloat16):
+                loss = loss.float()
+            loss = loss * scale
+        return loss
+
+    def backward_scale(self, limit: Optional[float] = None) -> Union[float, Tensor]:
+        """The scale of the next backward, at most ``limit``: a float when static, else a device tensor
+        (no host read). Grads held from earlier backwards are re-based onto it."""
         if not self._states:
             self._last_scale = 1.0
             return 1.0
@@ -185,9 +216,11 @@ class AmpEngine:
             scale = scales[0] if len(scales) == 1 else min(scales)
         else:
             scale = torch.stack([torch.as_tensor(x, device=candidates[0].scaler.device) for x in scales]).min()
+        if limit is not None:
+            scale = min(scale, limit) if isinstance(scale, float) else torch.clamp(scale, max=limit)
         for state in candidates:
             state.gate.poll()
-            state.rebase(scale, shared=len(candidates) > 1)
+            state.rebase(scale, shared=len(candidates) > 1, limit=limit)
         self._last_scale = scale
         return scale
 

@@ -22,6 +22,9 @@ Decisions where apex left room:
   with an explicit numeric ``loss_scale`` that is a contradiction and raises; when the static scale
   is the level's or bfloat16's default, :func:`check_scaler_keywords` warns (a dtype "auto" resolves
   per device, so portable code may meet either).
+* apex's own examples pass ``loss_scale`` and ``keep_batchnorm_fp32`` from argparse, as strings; the
+  strings apex took mean what they meant there: "dynamic", a number ("128.0"), "True" and "False"
+  (also for ``master_weights``). Other spellings ("true", "Dynamic") raise, as in apex.
 * O0 and O1 never cast the model, so ``master_weights=True`` or any explicit
   ``keep_batchnorm_fp32`` (True or False) is a contradiction and raises, as apex did.
   ``master_weights=False`` is accepted (it is the level's value).
@@ -37,7 +40,7 @@ import inspect
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 
@@ -115,6 +118,15 @@ NORM_POLICIES = ("half", "fp32")
 LEVEL_DEFAULTS: Mapping[str, AmpProperties] = MappingProxyType({"O0": O0, "O1": O1, "O2": O2, "O3": O3})
 
 
+# The names each argument takes, as annotations (built from the tables above): LightningCLI (jsonargparse)
+# checks them when it parses a config or a command line, so a bad value is a usage error there, not a
+# traceback. Level names are matched case-insensitively (both spellings listed).
+OptLevelName = Literal[(*OPT_LEVELS, *(level.lower() for level in OPT_LEVELS))]  # type: ignore[misc]
+DtypeName = Literal[("auto", *_DTYPE_NAMES, *_FP32_NAMES)]  # type: ignore[misc]
+OutputDtypeName = Literal[tuple(_OUTPUT_DTYPE_NAMES)]  # type: ignore[misc]
+NormPolicyName = Literal[NORM_POLICIES]  # type: ignore[misc]
+
+
 def resolve_dtype(dtype: Union[str, torch.dtype], device_type: str = "cpu") -> torch.dtype:
     """Map a user dtype request to torch.float16 or torch.bfloat16.
 
@@ -157,20 +169,35 @@ def _check_opt_level(opt_level: object) -> str:
 
 
 def check_loss_scale(loss_scale: object, name: str = "loss_scale") -> LossScaleSpec:
-    """Validate a loss-scale spec: "dynamic" or a positive finite number (returned as float)."""
-    if isinstance(loss_scale, str) and loss_scale == "dynamic":
-        return "dynamic"
+    """Validate a loss-scale spec: "dynamic" or a positive finite number (returned as float). A number
+    given as a string (``"128.0"``, as apex's examples pass it from argparse, and apex took it) counts
+    as that number."""
+    if isinstance(loss_scale, str):
+        if loss_scale == "dynamic":
+            return "dynamic"
+        try:
+            loss_scale = float(loss_scale)
+        except ValueError:
+            pass
     if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
         value = float(loss_scale)
         if value > 0 and math.isfinite(value):
             return value
-    raise ValueError(f'`{name}` must be "dynamic" or a positive finite number; got {loss_scale!r}')
+    raise ValueError(f'`{name}` must be "dynamic" or a positive finite number (also as a string, e.g. "128.0"); '
+                     f"got {loss_scale!r}")
+
+
+_APEX_BOOL_STRINGS = MappingProxyType({"True": True, "False": False})
 
 
 def _check_optional_bool(value: object, name: str) -> Optional[bool]:
+    """None, True or False; apex's strings "True"/"False" (from argparse) mean True/False."""
+    if isinstance(value, str) and value in _APEX_BOOL_STRINGS:
+        return _APEX_BOOL_STRINGS[value]
     if value is None or isinstance(value, bool):
         return value
-    raise ValueError(f"`{name}` must be True, False or None (the level's default); got {value!r}")
+    raise ValueError(f"`{name}` must be True, False or None (the level's default), or apex's strings "
+                     f'"True"/"False"; got {value!r}')
 
 
 def _check_norm_policy(value: object, opt_level: str) -> Optional[str]:

@@ -85,7 +85,9 @@ class OptimizerStep:
         self._devices = {p.device for p in params}
         self.kernel = KernelStep(optimizer) if fused_update and supports(optimizer) else None
         self.grad_factor: Optional[Factor] = None  # the loss scale the held grads carry (None: unscaled)
-        self._factor_version = -1
+        # (scaler steps, scale limit) the factor was made at: the same key means the same value, so a
+        # device-tensor factor is compared without a host read; None: unknown, re-base at the next backward
+        self._factor_key: Optional[Tuple[int, Optional[float]]] = None
         self._found: Optional[Tensor] = None
         self.skipped = 0
         self._late = _LateSkip()
@@ -106,27 +108,29 @@ class OptimizerStep:
 
     # ---- grads ------------------------------------------------------------------------
 
-    def rebase(self, scale: Factor, shared: bool) -> None:
-        """Before a backward at ``scale``: re-base grads already held at another factor onto it.
-        ``shared``: the scale is the minimum over several optimizers (always re-based)."""
+    def rebase(self, scale: Factor, shared: bool, limit: Optional[float] = None) -> None:
+        """Before a backward at ``scale`` (this scaler's scale capped at ``limit``, see
+        :meth:`~lightning_amp.amp.engine.AmpEngine.scale_loss`): re-base grads already held at another
+        factor onto it. ``shared``: the scale is the minimum over several optimizers (always re-based)."""
         if self.flat is not None and not self.flat.views_intact():
             self.flat.rebind()  # e.g. after zero_grad(set_to_none=True): autograd must add into the views
         self._late.new_backward(self)
-        factor = self.grad_factor
-        if factor is not None and (shared or self._factor_version != self.scaler.steps or
+        factor, key = self.grad_factor, (self.scaler.steps, limit)
+        if factor is not None and (shared or self._factor_key != key or
                                    (isinstance(factor, float) and factor != scale)):
             grads = optimizer_grads(self.optimizer)
             if grads:
                 ratio = scale / factor
                 torch._foreach_mul_(grads, ratio if isinstance(ratio, Tensor) else float(ratio))
         self.grad_factor = scale.clone() if isinstance(scale, Tensor) else scale
-        self._factor_version = self.scaler.steps
+        self._factor_key = key
         self._found = None
 
     def hold_grads_at(self, factor: Factor) -> None:
-        """The grads held now carry the loss scale ``factor`` (made before this optimizer was connected)."""
+        """The grads held now carry the loss scale ``factor`` (made before this optimizer was connected,
+        at another scaler's scale: the next backward re-bases them)."""
         self.grad_factor = factor.clone() if isinstance(factor, Tensor) else factor
-        self._factor_version = self.scaler.steps
+        self._factor_key = None
 
     def _check(self, inv: Factor) -> Tensor:
         grads, = local_shards(optimizer_grads(self.optimizer))  # DTensor grads (FSDP2): this rank's shards

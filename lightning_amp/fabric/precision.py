@@ -1,6 +1,6 @@
-"""AmpPrecision and AmpO0Precision..AmpO3Precision: the same mixed precision for Lightning Fabric.
+"""FabricAmpPrecision and FabricAmpO0Precision..FabricAmpO3Precision: the same mixed precision for Lightning Fabric.
 
-``Fabric(plugins=[AmpO2Precision()])``: the options, the forward and the step are those of the
+``Fabric(plugins=[FabricAmpO2Precision()])``: the options, the forward and the step are those of the
 Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
 :class:`~lightning_amp.amp.engine.AmpEngine`); this file only maps Fabric's hooks onto the engine.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from typing import Any, Dict, Generator, List, Optional
 
 import torch
@@ -48,11 +49,12 @@ from lightning_amp.precision import _casts_batch, _no_opt_level
 from lightning_amp.unsupported import refuse_strategy
 
 _STATE_KEY = "lightning_amp"  # where an optimizer's state_dict carries its scaler (in param_groups[0])
-_TRAINER_NAMES = {"AmpPrecision": "AmpPrecision", "AmpO0Precision": "AmpO0Plugin", "AmpO1Precision": "AmpO1Plugin",
-                  "AmpO2Precision": "AmpO2Plugin", "AmpO3Precision": "AmpO3Plugin"}
+_TRAINER_NAMES = {"FabricAmpPrecision": "AmpPrecision", "FabricAmpO0Precision": "AmpO0Plugin",
+                  "FabricAmpO1Precision": "AmpO1Plugin", "FabricAmpO2Precision": "AmpO2Plugin",
+                  "FabricAmpO3Precision": "AmpO3Plugin"}
 
 
-class AmpPrecision(_TrainerAmpPrecision):
+class FabricAmpPrecision(_TrainerAmpPrecision):
     """Apex-style mixed precision (opt levels O0-O3) as a Lightning Fabric precision plugin.
 
     Same arguments and properties (``loss_scale``, ``skipped_steps``, ``last_nonfinite_params``, ...) as
@@ -144,7 +146,7 @@ class AmpPrecision(_TrainerAmpPrecision):
             return state.optimizer.step(**kwargs)
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
-        self._engine.step(state.optimizer, lambda: None, clipping=False, **kwargs)
+        self._engine.step(state.optimizer, lambda: None, grads_read=False, **kwargs)
         return result
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -193,34 +195,56 @@ def _calling_fabric_strategy() -> Optional[Any]:
     return None
 
 
-class AmpO0Precision(AmpPrecision):
+class FabricAmpO0Precision(FabricAmpPrecision):
     """Apex O0 for Fabric: fp32 everything (non-finite grads are still skipped)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        _no_opt_level(kwargs, "AmpO0Precision")
+        _no_opt_level(kwargs, "FabricAmpO0Precision")
         super().__init__(opt_level="O0", **kwargs)
 
 
-class AmpO1Precision(AmpPrecision):
+class FabricAmpO1Precision(FabricAmpPrecision):
     """Apex O1 for Fabric: fp32 model, forward under autocast plus the cast lists."""
 
     def __init__(self, **kwargs: Any) -> None:
-        _no_opt_level(kwargs, "AmpO1Precision")
+        _no_opt_level(kwargs, "FabricAmpO1Precision")
         super().__init__(opt_level="O1", **kwargs)
 
 
-class AmpO2Precision(AmpPrecision):
+class FabricAmpO2Precision(FabricAmpPrecision):
     """Apex O2 for Fabric: fp32 params, forward under autocast with half norms (BatchNorm fp32), fp32 update."""
 
     def __init__(self, **kwargs: Any) -> None:
-        _no_opt_level(kwargs, "AmpO2Precision")
+        _no_opt_level(kwargs, "FabricAmpO2Precision")
         super().__init__(opt_level="O2", **kwargs)
 
 
-class AmpO3Precision(AmpPrecision):
+class FabricAmpO3Precision(FabricAmpPrecision):
     """Apex O3 for Fabric: pure half."""
 
     def __init__(self, **kwargs: Any) -> None:
-        _no_opt_level(kwargs, "AmpO3Precision")
+        _no_opt_level(kwargs, "FabricAmpO3Precision")
         super().__init__(opt_level="O3", **kwargs)
 
+
+
+_DEPRECATED_NAMES = {"AmpPrecision": FabricAmpPrecision, "AmpO0Precision": FabricAmpO0Precision,
+                     "AmpO1Precision": FabricAmpO1Precision, "AmpO2Precision": FabricAmpO2Precision,
+                     "AmpO3Precision": FabricAmpO3Precision}
+
+
+def deprecated_name(module: str, name: str) -> type:
+    """The class a former name of a Fabric plugin stands for, with a FutureWarning (for ``module``'s
+    ``__getattr__``): the Fabric plugins were renamed ``Fabric...`` because ``AmpPrecision`` named both a
+    Trainer and a Fabric class, which LightningCLI's ``--trainer.plugins AmpPrecision`` could not resolve."""
+    cls = _DEPRECATED_NAMES.get(name)
+    if cls is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(f"lightning_amp.fabric.{name} is deprecated: use lightning_amp.fabric.{cls.__name__} (same class; "
+                  "renamed so that LightningCLI tells the Fabric plugins from the Trainer's)", FutureWarning,
+                  stacklevel=3)
+    return cls
+
+
+def __getattr__(name: str) -> type:
+    return deprecated_name(__name__, name)

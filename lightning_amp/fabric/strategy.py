@@ -24,7 +24,7 @@ One process per device as ``"ddp"`` (gloo on CPU, nccl on CUDA); TP groups of
   that splits batches by hand uses ``fabric.strategy.distributed_sampler_kwargs``.
 
 Precisions: Fabric's ``32-true``, ``16-mixed``/``bf16-mixed``, ``16-true``/``bf16-true`` and
-lightning-amp's :class:`~lightning_amp.fabric.AmpPrecision` (O0-O3); any other plugin raises
+lightning-amp's :class:`~lightning_amp.fabric.FabricAmpPrecision` (O0-O3); any other plugin raises
 TypeError when the Fabric is built.
 """
 from __future__ import annotations
@@ -40,13 +40,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_amp.fabric.precision import AmpPrecision
+from lightning_amp.fabric.precision import FabricAmpPrecision
 from lightning_amp.parallel.runtime import TensorParallelRuntime
 from lightning_amp.parallel.strategy import _conversion_report, destroy_group_at_exit
 from lightning_amp.unsupported import refuse_precision_under_tp_fused
 
 _USE = ("Fabric's precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or lightning_amp.fabric's "
-        "AmpPrecision (e.g. `plugins=[AmpO2Precision()]`)")
+        "FabricAmpPrecision (e.g. `plugins=[FabricAmpO2Precision()]`)")
 
 
 class TensorParallelStrategy(DDPStrategy):
@@ -90,8 +90,8 @@ class TensorParallelStrategy(DDPStrategy):
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
         """Refuse plugins that cannot run on converted layers with an fp32 ``main_grad`` (at ``Fabric(...)``)."""
-        refuse_precision_under_tp_fused(precision, Precision, (MixedPrecision, HalfPrecision, AmpPrecision), _USE)
-        if isinstance(precision, AmpPrecision):
+        refuse_precision_under_tp_fused(precision, Precision, (MixedPrecision, HalfPrecision, FabricAmpPrecision), _USE)
+        if isinstance(precision, FabricAmpPrecision):
             precision._converted_by_strategy = True  # it casts the model after the plan (setup_module)
         self._precision = precision
 
@@ -135,7 +135,7 @@ class TensorParallelStrategy(DDPStrategy):
                              "fabric.backward); combine the models into one nn.Module, or use strategy='ddp' for several.")
         if self.runtime.convert(module, self.root_device):
             rank_zero_info(_conversion_report(self.runtime, self.data_parallel_size))
-        if isinstance(self.precision, AmpPrecision):
+        if isinstance(self.precision, FabricAmpPrecision):
             self.precision._convert_for_fabric(module)
         self.module_to_device(module)
         self.runtime.attach_grad_buffer(module.parameters())

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp import ops
+from lightning_amp.optimizers.apex_keywords import take_apex_keywords
 from lightning_amp.optimizers.base import (
     FusedOptimizer,
     as_pair,
@@ -27,13 +28,16 @@ class FusedAdam(FusedOptimizer):
     same pass. The masters are saved in ``state_dict`` so a resume is exact. Changing a param's
     values from outside (e.g. loading model weights) does not update its master.
 
+    apex's ``set_grad_none`` and ``capturable`` are taken as :mod:`~lightning_amp.optimizers.apex_keywords` says.
+
     State per param (as torch): ``step`` (0-dim fp32), ``exp_avg``, ``exp_avg_sq``
     (+ ``max_exp_avg_sq`` with AMSGrad), in the param's dtype unless master weights apply.
     """
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
-                 master_weights: bool = False):
+                 master_weights: bool = False, **apex_keywords):
+        self.set_grad_none = take_apex_keywords("FusedAdam", apex_keywords, ("set_grad_none", "capturable"))
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=as_pair(betas),
                         eps=eps, adam_w_mode=adam_w_mode, weight_decay=weight_decay, amsgrad=amsgrad,
                         master_weights=master_weights)

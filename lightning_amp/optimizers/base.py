@@ -82,8 +82,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                             f"got {type(flat_grads).__name__}")
         self._flat_grads = flat_grads
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's; grads living in an attached FlatGradBuffer are zeroed in place instead."""
+    #: the default of ``zero_grad``'s ``set_to_none`` when given apex's ``set_grad_none`` (None: torch's, True)
+    set_grad_none: Optional[bool] = None
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """As torch's (``set_to_none`` defaults to True, or to apex's ``set_grad_none`` given to the
+        constructor); grads living in an attached FlatGradBuffer are zeroed in place instead."""
+        if set_to_none is None:
+            set_to_none = self.set_grad_none is not False
         flat = getattr(self, "_flat_grads", None)
         if flat is None:
             return super().zero_grad(set_to_none=set_to_none)

@@ -6,6 +6,7 @@ from collections import defaultdict
 import torch
 
 from lightning_amp import ops
+from lightning_amp.optimizers.apex_keywords import take_apex_keywords
 from lightning_amp.optimizers.base import (
     FusedOptimizer,
     as_pair,
@@ -31,11 +32,14 @@ class FusedLAMB(FusedOptimizer):
     squared norms of the local shards summed over the ranks holding the shards
     (:mod:`lightning_amp.optimizers.sharded`); every rank must step.
     State per param: ``step`` (0-dim fp32), ``exp_avg``, ``exp_avg_sq`` (param dtype).
+    apex's ``set_grad_none`` and ``amsgrad`` are taken as :mod:`~lightning_amp.optimizers.apex_keywords` says.
     """
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, adam_w_mode: bool = True,
-                 grad_averaging: bool = True, max_grad_norm: float = 1.0, use_nvlamb: bool = False):
+                 grad_averaging: bool = True, max_grad_norm: float = 1.0, use_nvlamb: bool = False,
+                 **apex_keywords):
+        self.set_grad_none = take_apex_keywords("FusedLAMB", apex_keywords, ("set_grad_none", "amsgrad"))
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=as_pair(betas),
                         eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
                         max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb)

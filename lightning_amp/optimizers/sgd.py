@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from lightning_amp import ops
+from lightning_amp.optimizers.apex_keywords import take_apex_keywords
 from lightning_amp.optimizers.base import FusedOptimizer, check_nonnegative, grads_of
 
 _REQUIRED = object()
@@ -12,10 +13,14 @@ _REQUIRED = object()
 class FusedSGD(FusedOptimizer):
     """SGD as ``torch.optim.SGD``: the first step initialises ``state["momentum_buffer"]`` to the
     (weight-decayed) gradient, later steps ``buf = momentum * buf + (1 - dampening) * g``;
-    ``nesterov`` uses ``g + momentum * buf``. No state at all when ``momentum == 0``."""
+    ``nesterov`` uses ``g + momentum * buf``. No state at all when ``momentum == 0``. apex's
+    ``set_grad_none``, ``wd_after_momentum`` and ``materialize_master_grads`` are taken as
+    :mod:`~lightning_amp.optimizers.apex_keywords` says."""
 
     def __init__(self, params, lr=_REQUIRED, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False):
+                 weight_decay: float = 0.0, nesterov: bool = False, **apex_keywords):
+        self.set_grad_none = take_apex_keywords(
+            "FusedSGD", apex_keywords, ("set_grad_none", "wd_after_momentum", "materialize_master_grads"))
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults)
 
