@@ -13,7 +13,8 @@
 //     takes torch's mixed kernel (fp32 math inside, half output);
 //   * softmax, log_softmax, the elementwise math and reductions of torch's fp32 lists, upsampling:
 //     run on their inputs as they come (an explicit dtype= is kept), as without autocast;
-//   * embedding (dense grad): the fp32 weight is cast to the half dtype, so the stream starts half;
+//   * embedding: its result is cast to the half dtype (the rows of the table rounded to half, without
+//     a half copy of the table), so the stream starts half;
 //   * add/sub/mul/div of a half tensor and an fp32 leaf that requires grad (a Parameter: an RMSNorm
 //     weight, a layer scale, a learned position table): the leaf is cast to the half dtype, where
 //     type promotion would make the result fp32;
@@ -49,7 +50,7 @@ inline bool policy_active() {
   return token != 0 && token == g_live_share.load(std::memory_order_relaxed);
 }
 
-enum class Rule { as_is, follow_input, to_half, to_fp32, param_to_half, batch_norm };
+enum class Rule { as_is, follow_input, half_output, to_fp32, param_to_half, batch_norm };
 enum class Torch { fallthrough, fp32, fp32_set_opt_dtype };  // torch's own policy for an op on a key
 
 using at::autocast::cached_cast;
@@ -90,13 +91,17 @@ struct O2Rule<Rule::follow_input, dev, Op> {
   }
 };
 
+// The result cast to the half dtype: an embedding's rows of the fp32 table rounded to half are the rows of
+// the table rounded to half, without a half copy of the whole table (and its half grad) per forward.
 template <c10::DeviceType dev, class Op>
-struct O2Rule<Rule::to_half, dev, Op> {  // embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
-  static auto call(const at::Tensor& weight, const at::Tensor& indices, const c10::SymInt& padding_idx, bool scale,
-                   bool sparse) {
-    if (sparse) return Op::call(weight, indices, padding_idx, scale, sparse);  // a sparse grad cannot pass a cast
-    const auto half = at::autocast::get_lower_precision_fp_from_device_type(dev);
-    return Op::call(cached_cast(half, weight, dev), indices, padding_idx, scale, sparse);
+struct O2Rule<Rule::half_output, dev, Op> {
+  template <class... A>
+  static auto call(const A&... args) {
+    auto out = Op::call(args...);
+    if (out.scalar_type() == at::kFloat && at::autocast::is_eligible(out, dev)) {
+      return out.to(at::autocast::get_lower_precision_fp_from_device_type(dev));
+    }
+    return out;
   }
 };
 
@@ -180,7 +185,7 @@ void add(torch::Library& lib) {
   _(rms_norm, follow_input, fp32, true)                             \
   _(group_norm, follow_input, fp32, true)                           \
   _(batch_norm, batch_norm, fallthrough, true)                      \
-  _(embedding, to_half, fallthrough, true)                          \
+  _(embedding, half_output, fallthrough, true)                      \
   _(add_Tensor, param_to_half, fallthrough, true)                   \
   _(sub_Tensor, param_to_half, fallthrough, true)                   \
   _(mul_Tensor, param_to_half, fallthrough, true)                   \

@@ -108,6 +108,7 @@ def test_inside_o2_forward_the_rules_hold(dtype, held):
     x = torch.randn(4, 6, 8, generator=g).to(dtype)
     w, b = nn.Parameter(torch.randn(8, generator=g)), nn.Parameter(torch.randn(8, generator=g))
     table = nn.Parameter(torch.randn(10, 8, generator=g))
+    sparse_table = nn.Parameter(table.detach().clone())
     ids = torch.randint(0, 10, (4, 6), generator=g)
     fp32 = torch.randn(4, 6, 8, generator=g)
     with torch.autocast("cpu", dtype=dtype), o2_policy.forward():
@@ -116,7 +117,7 @@ def test_inside_o2_forward_the_rules_hold(dtype, held):
         rms = F.rms_norm(x, (8,), w)
         deliberate = F.layer_norm(x.float(), (8,), w, b)  # a model that upcasts on purpose keeps fp32
         emb = F.embedding(ids, table)
-        sparse = F.embedding(ids, table, sparse=True)
+        sparse = F.embedding(ids, sparse_table, sparse=True)
         scaled = x * w
         promoted = x + fp32  # two activations: type promotion, as torch
         frozen = x * w.detach()  # not a Parameter being trained
@@ -129,14 +130,16 @@ def test_inside_o2_forward_the_rules_hold(dtype, held):
         assert torch.equal(rms, F.rms_norm(x, (8,), w.to(dtype)))
         assert deliberate.dtype == torch.float32 and torch.equal(deliberate, F.layer_norm(x.float(), (8,), w, b))
         assert torch.equal(emb, F.embedding(ids, table.to(dtype)))
-        assert sparse.dtype == torch.float32  # a sparse grad cannot pass a cast: left to torch
+        assert torch.equal(sparse, emb)  # the result is cast, not the table: a sparse grad stays sparse
         assert torch.equal(scaled, x * w.to(dtype))
         assert promoted.dtype == torch.float32 and frozen.dtype == torch.float32
         ref_bn = F.batch_norm(x.transpose(1, 2), torch.zeros(8, dtype=dtype), torch.ones(8, dtype=dtype),
                               w.to(dtype), b.to(dtype), training=True)
         assert torch.equal(half_bn, ref_bn) and kept_bn.dtype == dtype
     (norm.float().sum() + scaled.float().square().sum() + emb.float().sum()).backward()
+    sparse.float().sum().backward()
     assert w.grad.dtype == b.grad.dtype == table.grad.dtype == torch.float32  # grads land on the fp32 leaves
+    assert sparse_table.grad.is_sparse and torch.equal(sparse_table.grad.to_dense(), table.grad)
     assert torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
 
 
