@@ -159,8 +159,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_wgrad_cpu_gemm_backend", [](const std::string& dtype) {
     return lamp::cpu::wgrad_cpu_gemm_backend(parse_wgrad_dtype(dtype));
   });
-  m.def("_wgrad_cpu_has_mkl_gemm", [](const std::string& dtype) {
-    return lamp::cpu::wgrad_cpu_has_mkl_gemm(parse_wgrad_dtype(dtype));
+  m.def("_wgrad_cpu_gemm_paths", [](const std::string& dtype) {
+    return lamp::cpu::wgrad_cpu_gemm_paths(parse_wgrad_dtype(dtype));
+  });
+  m.def("_wgrad_cpu_gemm_calibration", [](const std::string& dtype) {
+    return lamp::cpu::wgrad_cpu_gemm_calibration(parse_wgrad_dtype(dtype));
   });
   m.def("_set_wgrad_cpu_gemm_policy", &lamp::cpu::set_wgrad_cpu_gemm_policy, py::arg("policy"));
   m.def("_set_wgrad_k_chunk", &lamp::cpu::set_wgrad_k_chunk, py::arg("rows"));

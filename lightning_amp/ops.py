@@ -10,6 +10,9 @@ Environment switches (read once, at import):
   it wins over the next one.
 * ``LIGHTNING_AMP_REQUIRE_EXT=1`` turns the fallback into an ImportError: the extension must
   load, and must have CUDA kernels when torch sees a CUDA device (CI and GPU checks set it).
+* ``LIGHTNING_AMP_WGRAD_CPU_GEMM=auto|onednn|mkl|aten`` pins the CPU GEMM path of
+  :func:`wgrad_gemm_accum_fp32` for 16-bit operands (default ``auto``: measured once per process);
+  any other value is a ValueError naming the variable.
 
 ``backend(device)`` tells which implementation serves a device.
 
@@ -83,6 +86,19 @@ def _load_extension() -> None:
 
 
 _load_extension()
+
+
+def _apply_wgrad_cpu_gemm_env() -> None:
+    value = os.environ.get("LIGHTNING_AMP_WGRAD_CPU_GEMM")
+    if value is None or _EXT is None:
+        return
+    try:
+        _EXT._set_wgrad_cpu_gemm_policy(value)
+    except ValueError as err:
+        raise ValueError(f"LIGHTNING_AMP_WGRAD_CPU_GEMM={value!r}: {err}") from None
+
+
+_apply_wgrad_cpu_gemm_env()
 
 
 def extension_error() -> Optional[str]:
@@ -204,11 +220,14 @@ def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor)
     ``main_grad`` is a contiguous fp32 ``[out, in]`` buffer.
 
     Backends: CUDA ``cublasGemmEx`` with beta = 1 into ``main_grad`` (CUBLAS_COMPUTE_32F).
-    CPU: fp32 operands via ``addmm_`` (sgemm, beta = 1); 16-bit operands via MKL's
-    ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32`` (beta = 1) on CPUs with AMX, else
-    by upcasting blocks of token rows to fp32 and ``addmm_`` (faster there; temporaries of a
-    few MiB). No path materialises the full product. The fallback (no extension) builds the
-    fp32 product (on CUDA with the 16-bit GEMM, ``out_dtype=torch.float32``) and adds it.
+    CPU: fp32 operands via ``addmm_`` (sgemm, beta = 1); 16-bit operands through the fastest of
+    three paths, measured once per process and dtype at the first call (four 2048 x 1024 x 1024
+    products per usable path): ``onednn`` (oneDNN's micro-kernel inside torch, on AMX or AVX-512 BF16/FP16
+    units), ``mkl`` (MKL's ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32``) or ``aten``
+    (token blocks upcast to fp32, then ``addmm_``). All three sum exact products in fp32 with
+    beta = 1 (they differ only in the order of the sums); ``LIGHTNING_AMP_WGRAD_CPU_GEMM`` pins one.
+    No path materialises the full product. The fallback (no extension) builds the fp32 product
+    (on CUDA with the 16-bit GEMM, ``out_dtype=torch.float32``) and adds it.
     """
     _check_wgrad_args(input, grad_output, main_grad, (torch.float32,))
     ext = _ext_for(main_grad.device)
