@@ -134,6 +134,15 @@ def backend(device: torch.device | str = "cpu") -> str:
 # --------------------------------------------------------------------------------------
 
 
+def wgrad_cpu_gemm(dtype: torch.dtype) -> Optional[str]:
+    """The CPU GEMM path that serves :func:`wgrad_gemm_accum_fp32` for ``dtype`` operands in this
+    process: ``"onednn"``, ``"mkl"`` or ``"aten"`` (for 16-bit dtypes this runs the one-time
+    measurement if it has not run yet), or None without the compiled extension."""
+    if _EXT is None:
+        return None
+    return _EXT._wgrad_cpu_gemm_backend(str(dtype).replace("torch.", ""))
+
+
 def _check_dense(op: str, name: str, t: Tensor) -> None:
     """Sparse (and other non-strided) tensors have no dense storage for the kernels to walk."""
     if t.layout != torch.strided:
