@@ -11,10 +11,12 @@
 //   loads against a torch built without MKL.
 // * "aten": blocks of K (tokens) rows of both operands are upcast to fp32 (temporaries of a few MiB,
 //   never the full product) and accumulated with addmm_ (sgemm, beta = 1).
-// Which one is fastest depends on the CPU (benchmarks/RESULTS.md: MKL on an AMX Xeon, oneDNN where
-// bf16 runs on AVX-512 BF16 units, the fp32 GEMM where the CPU has no bf16 arithmetic), and the
-// libraries' own ISA caps (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) move it, so "auto" (the
-// default) measures: the first 16-bit call of a process times each usable path on one
+// Which one is fastest depends on the CPU and on the libraries' own ISA caps (ONEDNN_MAX_CPU_ISA,
+// MKL_ENABLE_INSTRUCTIONS): benchmarks/RESULTS.md has MKL ahead on an AMX Xeon, the three within
+// noise of each other with both libraries capped at AVX-512 BF16 on that Xeon (whose fp32 units
+// keep up with its bf16 ones, unlike an AMD EPYC's), and MKL's or the fp32 one with both capped at
+// AVX2, where oneDNN has no bf16 micro-kernel. So "auto" (the default) measures: the first 16-bit
+// call of a process times each usable path on one
 // kCalK x kCalM x kCalN product (a warm-up, then the fastest of kCalRounds interleaved rounds) and
 // keeps the fastest for that dtype. A policy naming a path ("onednn", "mkl", "aten"; ops.py sets it
 // from LIGHTNING_AMP_WGRAD_CPU_GEMM) skips the measurement and uses that path, or raises where it is
