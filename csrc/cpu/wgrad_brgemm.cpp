@@ -11,8 +11,8 @@
 // 16-bit patterns, so every build has this path and torch's micro-kernel decides at run time.
 // The multiply runs over (B panel, 32-row block of A, 64-column block) items in that order, so the
 // items one thread takes in a row reuse a B panel of about 512 KiB from its cache. The packing walks
-// g and x in page-friendly order (see pack_a_block): the first, column-block-wise order spent 2/3 of
-// the call on TLB misses on the AMX Xeon (100 ms vs 35 ms for 4096 tokens x 1024 -> 4096).
+// g and x in page-friendly order (see pack_a_block): walking narrow column blocks down all rows
+// spent most of a call on TLB misses on the AMX Xeon.
 #include "cpu/wgrad_paths.h"
 
 #include <ATen/ATen.h>
@@ -102,9 +102,8 @@ void pack_b_rows(const uint16_t* x, int64_t ldb, int64_t k0, int64_t kk, int64_t
   }
 }
 
-// The packing workspace, kept between calls: a fresh one of tens of MiB per call cost a page fault
-// per 4 KiB written (a quarter of the call's time on the AMX Xeon). One caller at a time uses it;
-// a concurrent caller packs into its own.
+// The packing workspace, kept between calls (a fresh one of tens of MiB would take a page fault per
+// 4 KiB written). One caller at a time uses it; a concurrent caller packs into its own.
 struct Workspace {
   std::mutex mu;
   at::Tensor buf;  // uint16 patterns, grown to the largest call's (m + n) x rows so far

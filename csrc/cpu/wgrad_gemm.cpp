@@ -114,8 +114,9 @@ int64_t k_rows_per_call(int64_t lda, int64_t ldb, int64_t cap) {
 }
 
 // Rows of K per "onednn" step: as many as keep the packed operands ((m + n) x rows 16-bit elements)
-// within 32 MiB, between 1024 and 4096 (longer steps read and write main_grad fewer times: 4096 rows
-// took 0.96-0.98x the time of 1024 on transformer shapes, oneDNN capped at AVX512_CORE_BF16).
+// within 32 MiB, between 1024 and 4096 (longer steps read and write main_grad fewer times; 4096 was
+// a few per cent faster than 1024 on the transformer shapes of benchmarks/bench_wgrad.py with oneDNN
+// capped at AVX512_CORE_BF16, within the noise of a shared machine).
 int64_t onednn_rows(int64_t m, int64_t n) {
   return std::clamp<int64_t>((int64_t{1} << 24) / std::max<int64_t>(m + n, 1), 1024, 4096);
 }
