@@ -67,8 +67,6 @@ def _with_policy(ext, policy, fn):
     return run
 
 
-PATHS = ("onednn", "mkl", "aten")
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,6 +75,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--inner", type=int, default=None, help="calls per timed sample (default: cpu 1, cuda 20)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--only", default=None, metavar="VARIANT",
+                        help="time only this variant (fused, unfused, fp32, gemm or a CPU path: onednn, mkl, aten), "
+                             "--repeat x --inner calls per shape, and print its times: for pairing whole processes "
+                             "(farm-bench), which then differ only in the variant")
     args = parser.parse_args()
     inner = args.inner or (20 if args.device == "cuda" else 1)
     dev = args.device
@@ -100,8 +102,9 @@ def main() -> None:
     header = (f"{'tokens x in -> out':>22} | {'fused ms':>9} | " + " | ".join(f"{c:>9}" for c in cols)
               + (" | " if cols else "") + f"{'unfused ms':>10} | {'fp32 ms':>8} | "
               f"{'fused/unfused':>13} | {'fused/fp32':>10} | {'gemm ms':>8} | {'fused/gemm':>10} | {'fused GFLOP/s':>13}")
-    print(header)
-    print("-" * len(header))
+    if args.only is None:
+        print(header)
+        print("-" * len(header))
     gen = torch.Generator().manual_seed(0)
     rows = []
     for tokens, n_in, n_out in SHAPES:
@@ -118,6 +121,13 @@ def main() -> None:
         }
         for path in usable:
             variants[path] = _with_policy(ext, path, variants["fused"])
+        if args.only is not None:
+            if args.only not in variants:
+                parser.error(f"--only: choose from {', '.join(variants)}, got {args.only!r}")
+            variants[args.only]()  # warm-up
+            median = measure(variants[args.only], dev, repeats=args.repeat, inner=inner)
+            print(f"{f'{tokens} x {n_in} -> {n_out}':>22} | {args.only} {median * 1e3:.2f} ms", flush=True)
+            continue
         t = _interleaved_medians(variants, args.repeat, dev, inner)
         fused, unfused, fp32, gemm = t["fused"], t["unfused"], t["fp32"], t["gemm"]
         gflops = 2.0 * tokens * n_in * n_out / fused / 1e9
