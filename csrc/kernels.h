@@ -39,6 +39,9 @@ void set_wgrad_cpu_gemm_policy(const std::string& policy);
 at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale,
                               at::Tensor& found_inf);
 
+// found_inf set to 1 when any element of tensors is inf or nan; the tensors are only read.
+void multi_tensor_check_finite(const std::vector<at::Tensor>& tensors, at::Tensor& found_inf);
+
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors);
 
 }  // namespace cpu

@@ -30,7 +30,8 @@ Conventions shared by all ops:
   ``multi_tensor_lamb``'s ``reduce_norms``).
 
 The pure-PyTorch implementations are also reachable as private functions
-(``_wgrad_fallback``, ``_scale_fallback``, ``_l2norm_fallback``) so tests can compare both.
+(``_wgrad_fallback``, ``_scale_fallback``, ``_check_finite_fallback``, ``_l2norm_fallback``) so tests
+can compare both.
 """
 from __future__ import annotations
 
@@ -318,6 +319,40 @@ def _scale_fallback(src: Sequence[Tensor], dst: Sequence[Tensor], scale: float, 
     for s, d in zip(src, dst):
         d.copy_(s.float().mul(scale) if s.dtype != d.dtype else s.mul(scale))
     return flags
+
+
+def multi_tensor_check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> Tensor:
+    """Set ``found_inf`` (0-dim float32, on the tensors' device) to 1.0 if any element of ``tensors``
+    (dense, floating) is inf or nan, reading them only; it is never cleared. Returns ``found_inf``.
+
+    The check before a step that unscales inside its own kernel: ``torch._amp_foreach_non_finite_check_and_unscale_``
+    with an inverse scale of 1 gives the same flag but writes every tensor back (CPU: one read-only
+    parallel pass here instead; CUDA: torch's op)."""
+    for i, t in enumerate(tensors):
+        _check_dense("multi_tensor_check_finite", f"tensors[{i}]", t)
+        if not t.is_floating_point():
+            raise TypeError(f"multi_tensor_check_finite: tensors[{i}] must be floating point, got {t.dtype}")
+        if t.device != found_inf.device:
+            raise ValueError(f"multi_tensor_check_finite: tensors[{i}] is on {t.device} but found_inf is on "
+                             f"{found_inf.device}")
+    if found_inf.dtype != torch.float32 or found_inf.numel() != 1:
+        raise TypeError(f"multi_tensor_check_finite: found_inf must be one float32 element, got {found_inf.dtype} "
+                        f"of shape {tuple(found_inf.shape)}")
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return found_inf
+    ext = _ext_for(found_inf.device)
+    if ext is not None and hasattr(ext, "multi_tensor_check_finite") and _ext_accepts(tensors):
+        ext.multi_tensor_check_finite(list(tensors), found_inf)
+    else:
+        _check_finite_fallback(tensors, found_inf)
+    return found_inf
+
+
+def _check_finite_fallback(tensors: Sequence[Tensor], found_inf: Tensor) -> None:
+    """Pure-PyTorch multi_tensor_check_finite (no host read)."""
+    bad = torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any().float()
+    torch.maximum(found_inf, bad.reshape(found_inf.shape), out=found_inf)
 
 
 def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> tuple[Tensor, Optional[Tensor]]:
