@@ -8,11 +8,12 @@ For each op, tensor list and precision mode, lightning-amp's op and torch's fast
 interleaved on the same tensors (torch: ``fused=True`` where torch has it, else ``foreach=True``; the
 column ``torch impl`` says which ran). Modes: ``fp32`` (fp32 params, grads, state), ``bf16`` (bf16
 params, grads and state), ``master`` (bf16 params and grads carrying a loss scale of 1024, fp32
-master weights and state: the step lightning-amp's engine runs for FusedAdam, i.e. the inf/nan check of
-the 16-bit grads, then FusedAdam unscaling inside its kernel; the torch equivalent is what a user
-without a fused master-weight kernel runs: the foreach copy of the grads into the fp32 masters' grads,
-``torch.amp.GradScaler``'s check of them, torch's optimizer unscaling inside its step (fused AdamW reads
-``grad_scale``/``found_inf``), and the foreach copy of the params out). Lists: ``few-large``
+master weights and state: the step lightning-amp's engine runs for FusedAdam, i.e. the inf/nan check
+of the 16-bit grads (``ops.multi_tensor_check_finite``, read only), then FusedAdam unscaling inside
+its kernel; the torch equivalent is what a user without a fused master-weight kernel runs: the
+foreach copy of the grads into the fp32 masters' grads, ``torch.amp.GradScaler``'s check of them,
+torch's optimizer unscaling inside its step (fused AdamW reads ``grad_scale``/``found_inf``), and
+the foreach copy of the params out). Lists: ``few-large``
 (4 tensors of 4M elements on cuda, 1M on cpu) and ``many-small`` (10,000 tensors of 1-4k elements).
 The op ``copy`` (``torch._foreach_copy_`` of the list, no torch column) measures the device's copy
 bandwidth on the same tensors: the ceiling for the other rows' GB/s.
@@ -135,7 +136,7 @@ def build_cases(kind: str, mode: str, device: str, ops_wanted) -> Iterator[Case]
 
             def ours_step():  # as the engine's protocol driver: check the 16-bit grads, unscale in the kernel
                 ours_found.zero_()
-                torch._amp_foreach_non_finite_check_and_unscale_(ours_grads, ours_found, ones)
+                ops.multi_tensor_check_finite(ours_grads, ours_found)
                 ours.step(grad_scale=scale, found_inf=ours_found)
 
             half = _params_with_grads(sizes, torch.bfloat16, device, 1)
