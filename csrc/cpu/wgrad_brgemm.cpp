@@ -6,8 +6,8 @@
 // (ONEDNN_MAX_CPU_ISA caps it). Which layout of B it expects depends on that ISA and the dtype: VNNI
 // pairs [K/2, N, 2] (bf16 everywhere, fp16 on AMX-FP16) or plain rows [K, N] (fp16 on AVX512-FP16);
 // the probe finds out which. g is [k, m], i.e. A^T, so for each step of k_rows token rows A is packed
-// into a workspace by 32 x 32 block transposes, and B into pairs where pairs are wanted (an odd step
-// is then padded with one zero row); plain B is read from x in place. The packing is plain C++ on the
+// into a workspace by 32 x 32 block transposes, and B into contiguous column blocks, in pairs where
+// pairs are wanted (an odd step is then padded with one zero row). The packing is plain C++ on the
 // 16-bit patterns, so every build has this path and torch's micro-kernel decides at run time.
 // The multiply runs over (B panel, 32-row block of A, 64-column block) items in that order, so the
 // items one thread takes in a row reuse a B panel of about 512 KiB from its cache. The packing walks
@@ -76,11 +76,23 @@ void pack_a_block(const uint16_t* g, int64_t lda, int64_t k0, int64_t kk, int64_
   }
 }
 
-// Rows [q0, q1) (q0 even) of the step's rows [k0, k0 + kk) of x, all n columns, as VNNI pairs into the
-// step's B workspace: the block of columns [j0, j0 + nn) is [kp / 2, nn, 2] at b + j0 * kp (a missing
-// last row of an odd kk is zero). A band of rows is read once, row by row, across all columns.
+// Rows [q0, q1) (q0 even) of the step's rows [k0, k0 + kk) of x, all n columns, into the step's B
+// workspace, the block of columns [j0, j0 + nn) at b + j0 * kp: as VNNI pairs [kp / 2, nn, 2] (a
+// missing last row of an odd kk is zero) or as plain rows [kp, nn]. A band of rows is read once, row
+// by row, across all columns; each block is then contiguous for the micro-kernel (read in place, a
+// narrow block of x would cost a TLB miss per row or two).
 void pack_b_rows(const uint16_t* x, int64_t ldb, int64_t k0, int64_t kk, int64_t kp, int64_t n, int64_t q0,
-                 int64_t q1, int64_t n_block, uint16_t* b) {
+                 int64_t q1, int64_t n_block, bool pairs, uint16_t* b) {
+  if (!pairs) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const uint16_t* r = x + (k0 + q) * ldb;
+      for (int64_t j0 = 0; j0 < n; j0 += n_block) {
+        const int64_t nn = std::min(n_block, n - j0);
+        std::memcpy(b + j0 * kp + q * nn, r + j0, nn * sizeof(uint16_t));
+      }
+    }
+    return;
+  }
   for (int64_t q = q0; q < q1; q += 2) {
     const uint16_t* r0 = x + (k0 + q) * ldb;
     const uint16_t* r1 = q + 1 < kk ? r0 + ldb : nullptr;
@@ -120,7 +132,7 @@ void tn_accum(const uint16_t* g, int64_t lda, const uint16_t* x, int64_t ldb, fl
               int64_t m, int64_t n, int64_t k_rows, bool vnni) {
   const int64_t kc = vnni ? round_up_even(std::min(k_rows, k)) : std::min(k_rows, k);
   const int64_t panel = std::max<int64_t>(1, kPanelElems / (kc * kNBlock));  // N blocks per B panel
-  const int64_t need = (m + (vnni ? n : 0)) * kc;
+  const int64_t need = (m + n) * kc;
   Workspace& shared = workspace();
   std::unique_lock<std::mutex> lock(shared.mu, std::try_to_lock);
   at::Tensor own;
@@ -130,7 +142,7 @@ void tn_accum(const uint16_t* g, int64_t lda, const uint16_t* x, int64_t ldb, fl
     buf = at::empty({need}, at::TensorOptions().dtype(at::kShort).device(at::kCPU));
   }
   uint16_t* a = reinterpret_cast<uint16_t*>(buf.data_ptr());
-  uint16_t* b = vnni ? a + m * kc : nullptr;
+  uint16_t* b = a + m * kc;
   const int64_t m_blocks = ceil_div(m, kMBlock), n_blocks = ceil_div(n, kNBlock);
   const int64_t panels = ceil_div(n_blocks, panel);
   for (int64_t k0 = 0; k0 < k; k0 += kc) {
@@ -140,11 +152,9 @@ void tn_accum(const uint16_t* g, int64_t lda, const uint16_t* x, int64_t ldb, fl
         pack_a_block(g, lda, k0, kk, kp, w * kABand, std::min(kABand, m - w * kABand), a);
       }
     });
-    if (vnni) {
-      at::parallel_for(0, ceil_div(kk, kBBand), 1, [&](int64_t begin, int64_t end) {
-        pack_b_rows(x, ldb, k0, kk, kp, n, begin * kBBand, std::min(kk, end * kBBand), kNBlock, b);
-      });
-    }
+    at::parallel_for(0, ceil_div(kk, kBBand), 1, [&](int64_t begin, int64_t end) {
+      pack_b_rows(x, ldb, k0, kk, kp, n, begin * kBBand, std::min(kk, end * kBBand), kNBlock, vnni, b);
+    });
     at::parallel_for(0, panels * m_blocks * panel, 1, [&](int64_t begin, int64_t end) {
       bool used = false;
       for (int64_t t = begin; t < end; ++t) {
@@ -154,8 +164,8 @@ void tn_accum(const uint16_t* g, int64_t lda, const uint16_t* x, int64_t ldb, fl
         const int64_t mm = std::min(kMBlock, m - i0), nn = std::min(kNBlock, n - j0);
         // is_vnni = true asks for oneDNN's micro-kernel (false takes torch's reference GEMM).
         const T* a_blk = reinterpret_cast<const T*>(a + i0 * kp);
-        const T* b_blk = reinterpret_cast<const T*>(vnni ? b + j0 * kp : x + k0 * ldb + j0);
-        at::native::cpublas::brgemm(mm, nn, kp, kp, vnni ? nn : ldb, ldc, /*add_C=*/true, a_blk, b_blk,
+        const T* b_blk = reinterpret_cast<const T*>(b + j0 * kp);
+        at::native::cpublas::brgemm(mm, nn, kp, kp, nn, ldc, /*add_C=*/true, a_blk, b_blk,
                                     c + i0 * ldc + j0, /*is_vnni=*/true);
         used = true;
       }
@@ -177,7 +187,7 @@ void probe_dtype(Probe& p) {
   static_assert(sizeof(T) == sizeof(uint16_t), "16-bit dtypes only");
   uint16_t bits[K * N], pairs[K * N];
   std::memcpy(bits, bp, sizeof(bits));
-  pack_b_rows(bits, N, 0, K, K, N, 0, K, N, pairs);
+  pack_b_rows(bits, N, 0, K, K, N, 0, K, N, /*pairs=*/true, pairs);
   std::memcpy(bv, pairs, sizeof(pairs));
   for (bool vnni : {true, false}) {
     std::fill(c, c + M * N, 1.f);

@@ -98,8 +98,8 @@ std::string unusable_reason(Path p, at::ScalarType dtype) {
 std::atomic<int64_t> g_k_chunk{0};
 std::atomic<int> g_policy{kAuto};
 
-// Rows of K upcast at a time on the "aten" path: ~4M fp32 elements of temporaries, but at
-// least 2048 rows so each sgemm's K stays large against its read-modify-write of main_grad.
+// Rows of K upcast at a time on the "aten" path: ~4M fp32 elements of workspace, but at least
+// 2048 rows so each sgemm's K stays large against its read-modify-write of main_grad.
 int64_t upcast_rows(int64_t m, int64_t n) {
   return std::max<int64_t>(2048, (int64_t{1} << 22) / std::max<int64_t>(m + n, 1));
 }
@@ -144,22 +144,38 @@ void mkl_tn_accum(Gemm16Fn mkl, const at::Tensor& g, const at::Tensor& x, at::Te
   }
 }
 
-// fp32 operands as they are; 16-bit ones upcast a block of K rows at a time.
+// The fp32 workspace of the "aten" path, kept between calls (fresh temporaries of tens of MiB per
+// call would take a page fault per 4 KiB written). One caller at a time uses it; a concurrent
+// caller allocates its own.
+struct UpcastWorkspace {
+  std::mutex mu;
+  at::Tensor buf;  // fp32, grown to the largest call's (m + n) x rows so far
+};
+
+// fp32 operands as they are; 16-bit ones upcast a block of K rows at a time into the workspace.
 void aten_tn_accum(const at::Tensor& g, const at::Tensor& x, at::Tensor& c, int64_t cap) {
   const int64_t k = g.size(0), m = g.size(1), n = x.size(1);
-  const bool upcast = x.scalar_type() != at::kFloat;
-  int64_t step = k;
-  if (upcast) step = std::min(step, upcast_rows(m, n));
+  if (x.scalar_type() == at::kFloat) {
+    c.addmm_(g.t(), x);  // beta = 1, alpha = 1: sgemm straight into c
+    return;
+  }
+  int64_t step = std::min(k, upcast_rows(m, n));
   if (cap > 0) step = std::min(step, cap);
+  static UpcastWorkspace shared;
+  std::unique_lock<std::mutex> lock(shared.mu, std::try_to_lock);
+  at::Tensor own;
+  at::Tensor& buf = lock.owns_lock() ? shared.buf : own;
+  if (!buf.defined() || buf.numel() < (m + n) * step) {
+    buf = at::Tensor();  // drop the old one first
+    buf = at::empty({(m + n) * step}, at::TensorOptions().dtype(at::kFloat));
+  }
   for (int64_t k0 = 0; k0 < k; k0 += step) {
     const int64_t kk = std::min(step, k - k0);
-    at::Tensor gk = g.narrow(0, k0, kk);
-    at::Tensor xk = x.narrow(0, k0, kk);
-    if (upcast) {
-      c.addmm_(gk.t().to(at::kFloat), xk.to(at::kFloat));
-    } else {
-      c.addmm_(gk.t(), xk);  // beta = 1, alpha = 1: sgemm straight into c
-    }
+    at::Tensor gk = buf.narrow(0, 0, kk * m).view({kk, m});
+    at::Tensor xk = buf.narrow(0, kk * m, kk * n).view({kk, n});
+    gk.copy_(g.narrow(0, k0, kk));  // exact: every 16-bit value is an fp32 value
+    xk.copy_(x.narrow(0, k0, kk));
+    c.addmm_(gk.t(), xk);
   }
 }
 
