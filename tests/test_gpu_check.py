@@ -1,8 +1,11 @@
-"""``make gpu-check``'s plumbing on the CPU: verdicts at each target's limit, missing and broken parts,
-the report files, part timeouts, junit parsing, and the no-GPU path of the command."""
+"""``make gpu-check``'s plumbing on the CPU: verdicts at each target's limit (the limits of the table in
+docs/benchmarks.md), missing, broken and unreadable parts, figures that are not finite, suites in which
+nothing passed, the report files, part timeouts, junit parsing, and the no-GPU path of the command."""
 import copy
 import importlib.util
 import json
+import math
+import re
 import subprocess
 import sys
 import time
@@ -121,6 +124,37 @@ def _verdict(parts, key):
     return next(v for v in evaluate(parts) if v.key == key)
 
 
+def _docs_table() -> list:
+    """The rows (target, limit, from) of the targets table in docs/benchmarks.md, as the page has them."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    start = lines.index("| target | limit | from |") + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append(tuple(cell.strip() for cell in line.strip().strip("|").split(" | ")))
+    return rows
+
+
+DOCS_LIMIT = re.compile(r"(<=|>=) (\d+(?:\.\d+)?)(x|%)")
+
+
+def _docs_limits() -> dict:
+    """Target text -> (op, threshold) as docs/benchmarks.md states it (the "yes" rows left out)."""
+    limits = {}
+    for what, limit, _ in _docs_table():
+        match = DOCS_LIMIT.fullmatch(limit)
+        if match:
+            op, number, unit = match.groups()
+            limits[what] = (op, float(number) / (100 if unit == "%" else 1))
+    return limits
+
+
+def test_the_docs_table_and_the_targets_are_one_list():
+    assert _docs_table() == [(t.what, t.limit(), t.source) for t in TARGETS]
+    assert len(_docs_limits()) == len([t for t in TARGETS if t.unit != "ok"]) == 19  # every ratio has its number
+
+
 def test_good_figures_pass_every_target():
     verdicts = evaluate(good_parts())
     assert [v.key for v in verdicts] == [t.key for t in TARGETS]
@@ -131,16 +165,72 @@ RATIO_TARGETS = [t for t in TARGETS if t.unit != "ok"]
 
 
 @pytest.mark.parametrize("target", RATIO_TARGETS, ids=[t.key for t in RATIO_TARGETS])
-def test_a_figure_just_past_the_limit_fails_and_just_inside_passes(target):
+def test_a_figure_just_past_the_docs_limit_fails_and_just_inside_passes(target):
+    op, threshold = _docs_limits()[target.what]  # the published limit, not the one the code holds
+    assert op == target.op
     setter = _setter(target.key)
     assert setter is not None, f"no setter for {target.key}"
     for factor in (0.999, 1.001):
         parts = good_parts()
-        setter(parts, target.threshold * factor)
+        setter(parts, threshold * factor)
         verdict = _verdict(parts, target.key)
-        assert verdict.value == pytest.approx(target.threshold * factor, rel=1e-9)
-        inside = factor < 1 if target.op == "<=" else factor > 1
+        assert verdict.value == pytest.approx(threshold * factor, rel=1e-9)
+        inside = factor < 1 if op == "<=" else factor > 1
         assert verdict.status == (PASS if inside else FAIL), (factor, verdict)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, 0.0, -1.0])
+@pytest.mark.parametrize("target", RATIO_TARGETS, ids=[t.key for t in RATIO_TARGETS])
+def test_a_figure_that_is_not_finite_or_not_positive_fails(target, bad):
+    """An infinite step time would make any speed-up pass, a negative one any ratio."""
+    if target.key == "o2_loss_vs_tf32" and bad in (0.0, -1.0):
+        bad = math.inf  # a loss of 0 or below is a figure; only non-finite ones are refused there
+    parts = good_parts()
+    _setter(target.key)(parts, bad)
+    verdict = _verdict(parts, target.key)
+    assert verdict.status == FAIL, verdict
+    assert "not a finite" in verdict.detail, verdict
+
+
+@pytest.mark.parametrize("speedup", ["o2_speedup_vs_tf32", "o2_speedup_vs_bf16_mixed"])
+def test_a_ratio_that_overflows_fails(speedup):
+    parts = good_parts()
+    _set_step(parts, "bench-fused", "O2", 1e-320)  # finite and positive, and 160 ms over it is inf
+    verdict = _verdict(parts, speedup)
+    assert verdict.status == FAIL and math.isinf(verdict.value), verdict
+
+
+def test_a_json_infinity_in_a_part_file_fails(tmp_path):
+    parts = good_parts()
+    _set_step(parts, "bench", "32-true", math.inf)
+    for name, part in parts.items():
+        (tmp_path / f"part-{name}.json").write_text(json.dumps(part))  # writes Infinity, which json reads back
+    assert _verdict(load_parts(str(tmp_path)), "o2_speedup_vs_tf32").status == FAIL
+
+
+@pytest.mark.parametrize("part", ["suite", "sync"])
+@pytest.mark.parametrize("counts", [dict(tests=0), dict(tests=5, skipped=5), dict(tests=3, failures=1, skipped=2)],
+                         ids=["no-test", "all-skipped", "none-passed"])
+def test_a_suite_in_which_no_test_passed_fails(part, counts):
+    parts = good_parts()
+    parts[part] = _part(part, _junit(**counts))
+    verdict = _verdict(parts, "suite" if part == "suite" else "no_host_sync")
+    assert verdict.status == FAIL and "0 passed" in verdict.detail, verdict
+
+
+@pytest.mark.parametrize("content", ["{not json", "", "[1, 2]", "\xff\xfe"])
+def test_an_unreadable_part_file_fails_its_targets(tmp_path, content):
+    parts = good_parts()
+    for name, part in parts.items():
+        (tmp_path / f"part-{name}.json").write_text(json.dumps(part))
+    (tmp_path / "part-optim.json").write_bytes(content.encode("latin-1"))
+    verdicts = {v.key: v for v in evaluate(load_parts(str(tmp_path)))}
+    optim = [v for k, v in verdicts.items() if k.startswith(("fused_adam", "scale", "l2norm"))]
+    assert len(optim) == 10 and all(v.status == FAIL and "part optim unreadable (part-optim.json" in v.detail
+                                    for v in optim), optim
+    assert {v.status for k, v in verdicts.items() if v not in optim} == {PASS}
+    (tmp_path / "part-suite.json").write_text('{"part": "suite", "rc": 0, "data": {"junit": ')  # cut short
+    assert _verdict(load_parts(str(tmp_path)), "suite").status == FAIL
 
 
 def test_build_suite_and_sync_verdicts_fail_on_what_they_name():
@@ -213,9 +303,9 @@ def test_report_files_hold_a_verdict_line_per_target(tmp_path):
     parts["wgrad"]["data"]["rows"][0]["fused_ms"] = 1.5
     for name, part in parts.items():
         (tmp_path / f"part-{name}.json").write_text(json.dumps(part))
-    (tmp_path / "part-broken.json").write_text("{not json")  # skipped, not fatal
+    (tmp_path / "part-broken.json").write_text("{not json")  # listed as unreadable; no target reads it
     verdicts = write_report(str(tmp_path))
-    assert set(load_parts(str(tmp_path))) == set(parts)
+    assert set(load_parts(str(tmp_path))) == set(parts) | {"broken"}
     md = (tmp_path / "gpu-check.md").read_text()
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert len(report["verdicts"]) == len(TARGETS) == len(verdicts)
@@ -223,7 +313,8 @@ def test_report_files_hold_a_verdict_line_per_target(tmp_path):
     assert "**21 PASS, 1 FAIL, 0 NOT RUN**" in md
     for target in TARGETS:
         assert sum(line.startswith("| ") and f"| {target.what} |" in line for line in md.splitlines()) == 1
-    assert "| FAIL | wgrad into fp32 main_grad / plain bf16 GEMM, 4096 x 1024 -> 4096 | 1.500x | <= 1.030x |" in md
+    assert "| FAIL | wgrad into fp32 main_grad / plain bf16 GEMM, 4096 x 1024 -> 4096 | 1.500x | <= 1.03x |" in md
+    assert "| broken | unreadable (part-broken.json: JSONDecodeError" in md
     assert "FusedAdam" in md and "copy" in md  # the bench and optimizer tables are in it
     assert "| autocast | 75.50 | 11500 | 0.3020 |  |" in md  # and the O2 forward runs
 

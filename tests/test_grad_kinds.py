@@ -6,6 +6,10 @@ stands for (O0: ``32-true``; O1, O2: ``bf16-mixed``; O3: ``bf16-true``, or ``bf1
 params, which ``bf16-true`` casts to bf16) on CPU and compares the weights after a few steps: within
 10% of how far the reference moved them (L2), O2 (half weights in forward) also within the distance
 between ``bf16-true`` and ``bf16-mixed``. O0, O1 and O3 reproduce their references exactly here.
+bf16's loss scale is 1.0, so those runs cannot see whether sparse and complex grads are unscaled: the
+float16 runs at O1 and O2 (dynamic scale, 65536 here) are held to ``32-true`` with torch SGD, which is
+not scale-invariant (Adagrad, SparseAdam and AdamW nearly are), so a grad left scaled moves its param
+65536x as far. The skipping tests run with overflow flags landing at once and late (``flag_timing``).
 """
 import collections
 import dataclasses
@@ -32,18 +36,19 @@ REFERENCE = {"O0": "32-true", "O1": "bf16-mixed", "O2": "bf16-mixed", "O3": "bf1
 STEPS = 4
 
 
-def _trainer(precision: str, steps: int = STEPS, **kwargs: Any) -> L.Trainer:
-    """A CPU Trainer for ``steps`` steps under an opt level ("O0".."O3", bf16) or a Lightning precision."""
+def _trainer(precision: str, steps: int = STEPS, dtype: str = "bfloat16", **kwargs: Any) -> L.Trainer:
+    """A CPU Trainer for ``steps`` steps under an opt level ("O0".."O3" in ``dtype``) or a Lightning precision."""
     if precision in LEVELS:
-        kwargs["plugins"] = [AmpPrecision(precision, dtype="bfloat16", **kwargs.pop("amp", {}))]
+        kwargs["plugins"] = [AmpPrecision(precision, dtype=dtype, **kwargs.pop("amp", {}))]
     else:
         kwargs["precision"] = precision
     return L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 
-def _fit(model: L.LightningModule, precision: str, steps: int = STEPS, **kwargs: Any) -> L.Trainer:
-    trainer = _trainer(precision, steps, **kwargs)
+def _fit(model: L.LightningModule, precision: str, steps: int = STEPS, dtype: str = "bfloat16",
+         **kwargs: Any) -> L.Trainer:
+    trainer = _trainer(precision, steps, dtype, **kwargs)
     with quiet_lightning():
         trainer.fit(model)
     return trainer
@@ -111,8 +116,8 @@ class SparseNet(L.LightningModule):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(kind: str, arg: str, precision: str) -> Dict[str, Tensor]:
-    model = SparseNet(arg) if kind == "sparse" else ComplexNet()
+def _reference(kind: str, opt: str, precision: str) -> Dict[str, Tensor]:
+    model = SparseNet(opt) if kind == "sparse" else ComplexNet(opt)
     _fit(model, precision)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -151,11 +156,38 @@ def test_sparse_grads_train_like_lightning(level, opt):
     _assert_trains_like_reference(model, ref, start, trained, floor)
 
 
-@pytest.mark.parametrize("level,opt", list(_cells(["adagrad"])))
-def test_overflow_in_a_sparse_grad_skips_the_step(level, opt):
-    model, snaps = SparseNet(opt), _Snapshots()
-    trainer = _fit(model, level, callbacks=[snaps, _Inf("emb.weight", 2)])
+FP16_SCALE = 2.0**16  # AmpPrecision's init_scale
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("kind", ["sparse", "complex"])
+def test_fp16_scale_is_divided_out_of_sparse_and_complex_grads(kind, level, flag_timing):
+    """O3 is left out: float16 params stepped directly (torch's sparse SGD has no Half kernel on the
+    CPU; AdamW's eps is 0 in float16, which the engine warns of) with a static scale of 1.0."""
+    model = SparseNet("sgd") if kind == "sparse" else ComplexNet("sgd")
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = _fit(model, level, dtype="float16")
+    plugin = trainer.precision_plugin
+    assert plugin.properties.dtype == torch.float16 and plugin.skipped_steps == 0
+    assert plugin.loss_scale == FP16_SCALE  # a real scale rode on every grad
+    assert {p.dtype for p in model.parameters()} <= {torch.float32, torch.complex64}  # O1/O2 step fp32 params
+    _assert_trains_like_reference(model, _reference(kind, "sgd", "32-true"), start)
+
+
+def _skip_cells():
+    for level in LEVELS:
+        yield pytest.param(level, "bfloat16", id=f"{level}-bf16")
+    for level in ("O1", "O2"):
+        yield pytest.param(level, "float16", id=f"{level}-fp16")
+
+
+@pytest.mark.parametrize("level,dtype", list(_skip_cells()))
+def test_overflow_in_a_sparse_grad_skips_the_step(level, dtype, flag_timing):
+    model, snaps = SparseNet("adagrad"), _Snapshots()
+    trainer = _fit(model, level, dtype=dtype, callbacks=[snaps, _Inf("emb.weight", 2)])
     assert trainer.precision_plugin.skipped_steps == 1
+    assert trainer.precision_plugin.last_nonfinite_params == ["emb.weight"]  # named from that step's grads
+    assert trainer.precision_plugin.loss_scale == (FP16_SCALE / 2 if dtype == "float16" else 1.0)
     before, skipped, after = snaps.after[1], snaps.after[2], snaps.after[3]
     assert before.keys() == skipped.keys()
     for key in before:
@@ -167,11 +199,12 @@ def test_overflow_in_a_sparse_grad_skips_the_step(level, opt):
 
 
 class ComplexNet(L.LightningModule):
-    """A real Linear feeding a complex64 gain, trained by torch AdamW."""
+    """A real Linear feeding a complex64 gain, trained by torch AdamW (or SGD with momentum: ``opt="sgd"``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, opt: str = "adamw") -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.opt = opt
         self.lin = nn.Linear(8, 8)
         self.gain = nn.Parameter(torch.randn(8, dtype=torch.complex64))
 
@@ -181,6 +214,8 @@ class ComplexNet(L.LightningModule):
         return ((z - 1j).abs() ** 2).mean().float()
 
     def configure_optimizers(self):
+        if self.opt == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.5)
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
     def train_dataloader(self):
@@ -196,14 +231,16 @@ def test_complex_params_train_like_lightning(level):
     assert model.gain.dtype == torch.complex64  # never cast to half
     # bf16-true casts complex params to bf16 (dropping their imaginary part): O3 is held to bf16-mixed here
     reference = "bf16-mixed" if level == "O3" else REFERENCE[level]
-    _assert_trains_like_reference(model, _reference("complex", "", reference), start)
+    _assert_trains_like_reference(model, _reference("complex", "adamw", reference), start)
 
 
-@pytest.mark.parametrize("level", LEVELS)
-def test_overflow_in_a_complex_grad_skips_the_step(level):
+@pytest.mark.parametrize("level,dtype", list(_skip_cells()))
+def test_overflow_in_a_complex_grad_skips_the_step(level, dtype, flag_timing):
     model, snaps = ComplexNet(), _Snapshots()
-    trainer = _fit(model, level, callbacks=[snaps, _Inf("gain", 2)])
+    trainer = _fit(model, level, dtype=dtype, callbacks=[snaps, _Inf("gain", 2)])
     assert trainer.precision_plugin.skipped_steps == 1
+    assert trainer.precision_plugin.last_nonfinite_params == ["gain"]  # named from that step's grads
+    assert trainer.precision_plugin.loss_scale == (FP16_SCALE / 2 if dtype == "float16" else 1.0)
     before, skipped = snaps.after[1], snaps.after[2]
     for key in before:
         assert torch.equal(before[key], skipped[key]), f"{key} changed on the skipped step"

@@ -2,6 +2,7 @@
 BatchNorm, a view mixing the split dimension), with a ValueError naming the modules, before any change."""
 import copy
 import os
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -81,13 +82,28 @@ def test_norms_and_views_between_column_and_row_are_refused_naming_the_modules()
     message = _refused(BatchNormMLP())
     assert "fc1, fc2" in message and "bn (BatchNorm1d)" in message and "nothing was changed" in message
     assert "view" in _refused(nn.Sequential(ViewMLP()))
-    assert "0.norm (LayerNorm)" in _refused(nn.Sequential(UntraceableNormMLP(32)))
+    with pytest.warns(UserWarning, match="by structure only"):  # fx cannot trace it (see below)
+        assert "0.norm (LayerNorm)" in _refused(nn.Sequential(UntraceableNormMLP(32)))
     assert "bn (BatchNorm1d)" in _refused(BatchNormMLP(), plan={"fc1": "column", "fc2": "row"})
 
 
 def test_elementwise_paths_stay_converted():
-    assert [u.family for u in build_plan(GatedMLP(), "auto", 2).units] == ["named MLP"]
-    assert [u.family for u in build_plan(UntraceableNormMLP(8), "auto", 2).units] == ["named MLP"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # traced: no fallback, no warning
+        assert [u.family for u in build_plan(GatedMLP(), "auto", 2).units] == ["named MLP"]
+    with pytest.warns(UserWarning, match="fx cannot trace the model") as record:
+        assert [u.family for u in build_plan(UntraceableNormMLP(8), "auto", 2).units] == ["named MLP"]
+    assert len(record) == 1
+
+
+def test_a_parent_fx_cannot_trace_is_checked_by_structure_with_a_warning_naming_why():
+    with pytest.warns(UserWarning) as record:
+        message = _refused(nn.Sequential(UntraceableNormMLP(32)))
+    assert "0.norm (LayerNorm)" in message  # the structural check still refuses the norm over the split width
+    (warning,) = [str(w.message) for w in record]
+    assert "torch.fx cannot trace 0 (UntraceableNormMLP): TraceError:" in warning
+    assert "control flow" in warning  # fx's own reason
+    assert "between 0.fc1 and 0.fc2 is checked by structure only" in warning
     kinds = {r.name: r.kind for r in apply_plan(nn.Sequential(GatedMLP()))}
     assert kinds == {"0.gate_proj": "column", "0.up_proj": "column", "0.down_proj": "row"}
 

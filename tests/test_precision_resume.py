@@ -173,3 +173,36 @@ def test_checkpoint_of_the_former_o2_design_resumes_with_its_fp32_masters(tmp_pa
         for key, value in state.items():
             assert torch.equal(value.float(), saved_state[index][key].float()), (index, key)
     assert trainer.global_step == 2 * N
+
+
+class TwoOptimizers(Net):
+    """``Net`` with one SGD for each Linear, stepped by hand (manual optimization)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.manual_backward(nn.functional.cross_entropy(self(x).float(), y))
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[3].parameters(), lr=0.1)]
+
+
+@pytest.mark.parametrize("saved,resumed", [(TwoOptimizers, Net), (Net, TwoOptimizers)], ids=["2-into-1", "1-into-2"])
+def test_a_checkpoint_of_another_optimizer_count_is_refused_naming_both(saved, resumed, tmp_path):
+    """Restoring the scalers of the first optimizers only (what a warning used to announce) is no exact resume."""
+    first = _trainer(AmpPrecision("O1", dtype="float16"), 1)
+    first.fit(saved(), _loader())
+    path = tmp_path / "saved.ckpt"
+    first.save_checkpoint(path)
+    counts = (2, 1) if saved is TwoOptimizers else (1, 2)
+    trainer = _trainer(AmpPrecision("O1", dtype="float16"), 2)
+    with pytest.raises(ValueError, match=rf"checkpoint holds the loss scalers of {counts[0]} optimizer\(s\) but "
+                                         rf"this run has {counts[1]}"):
+        trainer.fit(resumed(), _loader(), ckpt_path=path)
+    assert trainer.global_step == 0  # refused before any step

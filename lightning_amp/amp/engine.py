@@ -209,10 +209,12 @@ class AmpEngine:
 
     def load_scaler_states(self, state_dict: Dict[str, Any]) -> None:
         saved = state_dict["loss_scalers"]
-        if len(saved) != len(self._scalers):
-            self.warn(
-                f"lightning_amp: the checkpoint holds {len(saved)} loss scaler(s) but there are "
-                f"{len(self._scalers)} optimizer(s); restoring the first {min(len(saved), len(self._scalers))}."
+        if len(saved) != len(self._scalers):  # restoring part of it would make the resume inexact
+            raise ValueError(
+                f"lightning_amp: the checkpoint holds the loss scalers of {len(saved)} optimizer(s) but this run has "
+                f"{len(self._scalers)}; its scaler state belongs to another set of optimizers and cannot be resumed "
+                "exactly. Resume with the optimizers the checkpoint was saved with, or delete the entry the precision "
+                "plugin saved under its class name from the checkpoint to start the loss scalers afresh."
             )
         for scaler, scaler_state in zip(self._scalers, saved):
             scaler.load_state_dict(scaler_state)

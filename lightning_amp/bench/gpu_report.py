@@ -25,16 +25,20 @@ def part_path(folder: str, name: str) -> str:
 
 
 def load_parts(folder: str) -> dict:
-    """Part name -> part JSON for every ``part-*.json`` in ``folder`` (unreadable files are skipped)."""
+    """Part name -> part JSON for every ``part-*.json`` in ``folder``. A file that cannot be read, or does
+    not hold a part (a JSON object), stands for its part as ``{"part": name, "unreadable": why}``: that
+    part ran (or began to) and its figures are lost, so its targets FAIL rather than read NOT RUN."""
     parts = {}
     for path in sorted(glob.glob(os.path.join(folder, "part-*.json"))):
+        name = os.path.basename(path)[len("part-"):-len(".json")]
         try:
             with open(path) as f:
                 part = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(part, dict):
-            parts[part.get("part") or os.path.basename(path)[5:-5]] = part
+        except (OSError, ValueError) as error:
+            part = {"part": name, "unreadable": f"{os.path.basename(path)}: {type(error).__name__}: {error}"}
+        if not isinstance(part, dict):
+            part = {"part": name, "unreadable": f"{os.path.basename(path)} holds a {type(part).__name__}, not a part"}
+        parts[part.get("part") or name] = part
     return parts
 
 
@@ -93,7 +97,7 @@ def render_markdown(parts: dict, verdicts: list, note: str = "") -> str:
     out += ["\n## Parts\n", "| part | status | seconds | started (UTC) | commands |", "|---|---|---:|---|---|"]
     for name, part in parts.items():
         commands = "; ".join(f"`{c}`" for c in part.get("commands") or [])
-        out.append(f"| {name} | {part_status(part)} | {part.get('seconds', 0):.0f} | {part.get('started', '-')} | "
+        out.append(f"| {name} | {part_status(part)} | {part.get('seconds') or 0:.0f} | {part.get('started', '-')} | "
                    f"{commands} |")
     records = bench_records(parts)
     if records:

@@ -4,8 +4,11 @@ Each part writes ``part-<name>.json`` (see :mod:`lightning_amp.bench.gpu_check`)
 log tail and ``data`` (junit counts, ``bench_optim``/``bench_wgrad`` rows, ``lightning-amp bench``
 records). :func:`evaluate` turns the parts present into one :class:`Verdict` per target: ``PASS`` or
 ``FAIL`` with the measured figure, or ``NOT RUN`` when the part that measures it is absent. A part that
-ran but lacks the figure (it crashed, timed out, or a run failed) gives ``FAIL``. Ratios are taken
-within one part's run (or two bench parts of the same device), never across devices.
+ran but lacks the figure (it crashed, timed out, a run failed, or its file cannot be read) gives
+``FAIL``, and so does a figure that is not a finite number (a time or a size that is not positive, a
+ratio that overflows) and a test suite in which no test passed. Ratios are taken within one part's run
+(or two bench parts of the same device), never across devices. The thresholds are those of the table
+in docs/benchmarks.md, which ``tests/test_gpu_check.py`` holds against :data:`TARGETS`.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ class Missing(Exception):
 
 @dataclass(frozen=True)
 class Target:
-    """One target: ``measure(parts) -> (value, detail)``; it passes when ``value <op> threshold``."""
+    """One target: ``measure(parts) -> (value, detail)``; it passes when ``value <op> threshold``.
+    ``source`` names the part(s) that measure it (the "from" column of docs/benchmarks.md's table)."""
 
     key: str
     what: str
@@ -40,9 +44,12 @@ class Target:
     threshold: float
     unit: str  # "x" (ratio), "%" (fraction shown as percent) or "ok" (1.0 yes / 0.0 no)
     measure: Callable[[dict], tuple]
+    source: str
 
     def limit(self) -> str:
-        return "yes" if self.unit == "ok" else f"{self.op} {_show(self.threshold, self.unit)}"
+        if self.unit == "ok":
+            return "yes"
+        return f"{self.op} {100 * self.threshold:g}%" if self.unit == "%" else f"{self.op} {self.threshold:g}x"
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,9 @@ def _part(parts: dict, name: str) -> dict:
 
 
 def part_status(part: dict) -> str:
-    """"ok", "timed out after N s", "crashed (signal N)" or "failed (exit N)"."""
+    """"ok", "unreadable (why)", "timed out after N s", "crashed (signal N)" or "failed (exit N)"."""
+    if part.get("unreadable"):
+        return f"unreadable ({part['unreadable']})"
     if part.get("timed_out"):
         return f"timed out after {part.get('timeout_s', '?')} s"
     rc = part.get("rc")
@@ -82,6 +91,15 @@ def part_status(part: dict) -> str:
 
 def _broken(part: dict, what: str) -> Missing:
     return Missing(f"{what} missing; part {part.get('part', '?')} {part_status(part)}")
+
+
+def _figure(value, what: str, positive: bool = True) -> float:
+    """``value`` when it is a finite number (and > 0 where ``positive``: times, sizes, bandwidths), else
+    :class:`Missing` naming it: an infinite time would make any speed-up pass, a negative one any ratio."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and value <= 0):
+        raise Missing(f"{what} is {value!r}, not a finite{' positive' if positive else ''} number")
+    return float(value)
 
 
 # -- the figures ------------------------------------------------------------------------------------
@@ -157,15 +175,18 @@ def _o2_against(parts, levels):
 def _o2_step_vs(levels, speedup: bool):
     def measure(parts):
         o2, base = _o2_against(parts, levels)
-        ratio = base["step_time_ms"] / o2["step_time_ms"] if speedup else o2["step_time_ms"] / base["step_time_ms"]
-        return ratio, f"O2+FusedAdam {o2['step_time_ms']:.1f} ms, {base['level']} {base['step_time_ms']:.1f} ms per step"
+        o2_ms = _figure(o2.get("step_time_ms"), "O2+FusedAdam step_time_ms")
+        base_ms = _figure(base.get("step_time_ms"), f"{base['level']} step_time_ms")
+        return (base_ms / o2_ms if speedup else o2_ms / base_ms,
+                f"O2+FusedAdam {o2_ms:.1f} ms, {base['level']} {base_ms:.1f} ms per step")
     return measure
 
 
 def _o2_memory(parts):
     o2, base = _o2_against(parts, ("32-true", "fp32"))
-    return (o2["peak_mem_mb"] / base["peak_mem_mb"],
-            f"O2+FusedAdam {o2['peak_mem_mb']:.0f} MiB, {base['level']} {base['peak_mem_mb']:.0f} MiB peak")
+    o2_mb = _figure(o2.get("peak_mem_mb"), "O2+FusedAdam peak_mem_mb")
+    base_mb = _figure(base.get("peak_mem_mb"), f"{base['level']} peak_mem_mb")
+    return o2_mb / base_mb, f"O2+FusedAdam {o2_mb:.0f} MiB, {base['level']} {base_mb:.0f} MiB peak"
 
 
 def _o2_loss(parts):
@@ -175,8 +196,10 @@ def _o2_loss(parts):
     steps = min(o2.get("steps") or 0, base.get("steps") or 0)
     if steps < 300:
         raise Missing(f"only {steps} timed steps (the target is after 300)")
-    difference = abs(o2["final_loss"] - base["final_loss"]) / abs(base["final_loss"])
-    detail = f"O2+FusedAdam {o2['final_loss']:.4f}, {base['level']} {base['final_loss']:.4f} after {steps} steps"
+    o2_loss = _figure(o2["final_loss"], "O2+FusedAdam final_loss", positive=False)
+    base_loss = _figure(base["final_loss"], f"{base['level']} final_loss", positive=False)
+    difference = abs(o2_loss - base_loss) / abs(base_loss)
+    detail = f"O2+FusedAdam {o2_loss:.4f}, {base['level']} {base_loss:.4f} after {steps} steps"
     if base.get("learned") is False:
         detail += f" ({base['level']} did not learn)"
     return difference, detail
@@ -185,11 +208,12 @@ def _o2_loss(parts):
 def _o2_forward_steps(parts) -> dict:
     """Step times (ms) of the ``o2-forward`` part's runs that succeeded, by forward ("cast", "autocast")."""
     part = _part(parts, "o2-forward")
-    records = [r for r in (part.get("data") or {}).get("records") or [] if not r.get("error") and r.get("step_time_ms")]
+    records = [r for r in (part.get("data") or {}).get("records") or [] if not r.get("error")]
     devices = {r.get("device_name") for r in records}
     if len(devices) > 1:
         raise Missing(f"o2-forward runs on several devices: {sorted(map(str, devices))}")
-    steps = {f: [r["step_time_ms"] for r in records if r.get("o2_forward") == f] for f in ("cast", "autocast")}
+    steps = {f: [_figure(r["step_time_ms"], f"o2-forward {f} step_time_ms") for r in records
+                 if r.get("o2_forward") == f] for f in ("cast", "autocast")}
     if not steps["cast"] or not steps["autocast"]:
         raise _broken(part, "O2 runs with and without autocast")
     return steps
@@ -222,7 +246,8 @@ def _optim_row(parts, op, mode):
 def copy_bandwidth(parts) -> float:
     """Device copy bandwidth (GB/s, bytes read + written): the best ``copy`` row of the few-large list."""
     part, rows = _optim_rows(parts)
-    copies = [row["ours_gbs"] for row in rows if row.get("list") == OPTIM_LIST and row.get("op") == "copy"]
+    copies = [_figure(row.get("ours_gbs"), f"{OPTIM_LIST} copy {row.get('mode')} ours_gbs") for row in rows
+              if row.get("list") == OPTIM_LIST and row.get("op") == "copy"]
     if not copies:
         raise _broken(part, f"{OPTIM_LIST} copy row")
     return max(copies)
@@ -231,17 +256,19 @@ def copy_bandwidth(parts) -> float:
 def _vs_torch(op, mode):
     def measure(parts):
         row = _optim_row(parts, op, mode)
-        if not row.get("torch_ms"):
+        if row.get("torch_ms") is None:
             raise Missing(f"{op} {mode}: no torch figure")
-        return (row["ours_ms"] / row["torch_ms"],
-                f"ours {row['ours_ms']:.3f} ms, torch ({row.get('torch_impl')}) {row['torch_ms']:.3f} ms")
+        ours = _figure(row.get("ours_ms"), f"{op} {mode} ours_ms")
+        torch_ms = _figure(row["torch_ms"], f"{op} {mode} torch_ms")
+        return ours / torch_ms, f"ours {ours:.3f} ms, torch ({row.get('torch_impl')}) {torch_ms:.3f} ms"
     return measure
 
 
 def _of_bandwidth(op, mode):
     def measure(parts):
         row, copy = _optim_row(parts, op, mode), copy_bandwidth(parts)
-        return row["ours_gbs"] / copy, f"{row['ours_gbs']:.0f} GB/s of {copy:.0f} GB/s copy bandwidth"
+        ours = _figure(row.get("ours_gbs"), f"{op} {mode} ours_gbs")
+        return ours / copy, f"{ours:.0f} GB/s of {copy:.0f} GB/s copy bandwidth"
     return measure
 
 
@@ -250,7 +277,9 @@ def _wgrad(shape):
         part = _part(parts, "wgrad")
         for row in (part.get("data") or {}).get("rows") or []:
             if (row.get("tokens"), row.get("n_in"), row.get("n_out")) == shape:
-                return row["fused_ms"] / row["gemm_ms"], f"fused {row['fused_ms']:.3f} ms, bf16 GEMM {row['gemm_ms']:.3f} ms"
+                fused = _figure(row.get("fused_ms"), "wgrad fused_ms")
+                gemm = _figure(row.get("gemm_ms"), "wgrad gemm_ms")
+                return fused / gemm, f"fused {fused:.3f} ms, bf16 GEMM {gemm:.3f} ms"
         raise _broken(part, "row of shape {} x {} -> {}".format(*shape))
     return measure
 
@@ -259,37 +288,40 @@ WGRAD_SHAPES = ((4096, 1024, 4096), (4096, 4096, 1024), (2048, 1024, 3072))  # b
 
 
 def _targets() -> list:
+    bench = "bench, bench-fused"
     t = [
-        Target("build", "CUDA extension built and loaded (backend cuda-ext)", ">=", 1.0, "ok", _build),
-        Target("suite", "whole suite, LIGHTNING_AMP_REQUIRE_EXT=1: 0 failed, no crash", ">=", 1.0, "ok", _suite),
-        Target("no_host_sync", "no host sync in O1/O2/O3 steps (set_sync_debug_mode('error'))", ">=", 1.0, "ok", _sync),
+        Target("build", "CUDA extension built and loaded (backend cuda-ext)", ">=", 1.0, "ok", _build, "build"),
+        Target("suite", "whole suite, LIGHTNING_AMP_REQUIRE_EXT=1: 0 failed, no crash, > 0 passed", ">=", 1.0, "ok",
+               _suite, "suite"),
+        Target("no_host_sync", "no host sync in O1/O2/O3 steps (set_sync_debug_mode('error')): all pass, none skipped",
+               ">=", 1.0, "ok", _sync, "sync"),
         Target("o2_vs_bf16_true", "O2+FusedAdam step time / bf16-true", "<=", 1.03, "x",
-               _o2_step_vs(("bf16-true",), speedup=False)),
+               _o2_step_vs(("bf16-true",), speedup=False), bench),
         Target("o2_speedup_vs_tf32", "O2+FusedAdam speed-up over TF32 (32-true)", ">=", 2.15, "x",
-               _o2_step_vs(("32-true", "fp32"), speedup=True)),
+               _o2_step_vs(("32-true", "fp32"), speedup=True), bench),
         Target("o2_speedup_vs_bf16_mixed", "O2+FusedAdam speed-up over bf16-mixed", ">=", 1.4, "x",
-               _o2_step_vs(("bf16-mixed",), speedup=True)),
-        Target("o2_memory_vs_tf32", "O2+FusedAdam peak memory / TF32", "<=", 0.6, "x", _o2_memory),
-        Target("o2_loss_vs_tf32", "O2+FusedAdam final loss vs TF32 after 300 steps", "<=", 0.02, "%", _o2_loss),
+               _o2_step_vs(("bf16-mixed",), speedup=True), bench),
+        Target("o2_memory_vs_tf32", "O2+FusedAdam peak memory / TF32", "<=", 0.6, "x", _o2_memory, bench),
+        Target("o2_loss_vs_tf32", "O2+FusedAdam final loss vs TF32 after 300 steps", "<=", 0.02, "%", _o2_loss, bench),
         Target("o2_forward_vs_autocast",
                "O2 forward without autocast: step <= 0.98x O2 with autocast, or autocast costs < 2%", "<=",
-               O2_FORWARD_LIMIT, "x", _o2_forward),
+               O2_FORWARD_LIMIT, "x", _o2_forward, "o2-forward"),
     ]
     for mode, torch_name in (("fp32", "torch fused AdamW"), ("master", "torch fused AdamW on fp32 masters + copies"),
                              ("bf16", "torch fused AdamW")):
         t.append(Target(f"fused_adam_{mode}_vs_torch", f"FusedAdam {mode} step / {torch_name}", "<=", 1.0, "x",
-                        _vs_torch("adamw", mode)))
+                        _vs_torch("adamw", mode), "optim"))
         t.append(Target(f"fused_adam_{mode}_bandwidth", f"FusedAdam {mode} share of copy bandwidth", ">=", 0.85, "%",
-                        _of_bandwidth("adamw", mode)))
+                        _of_bandwidth("adamw", mode), "optim"))
     for mode in ("fp32", "bf16"):
         t.append(Target(f"scale_{mode}_bandwidth", f"multi_tensor_scale {mode} share of copy bandwidth", ">=", 0.85,
-                        "%", _of_bandwidth("scale", mode)))
+                        "%", _of_bandwidth("scale", mode), "optim"))
         t.append(Target(f"l2norm_{mode}_vs_foreach_norm", f"multi_tensor_l2norm {mode} / torch._foreach_norm", "<=",
-                        1.0, "x", _vs_torch("l2norm", mode)))
+                        1.0, "x", _vs_torch("l2norm", mode), "optim"))
     for shape in WGRAD_SHAPES:
         t.append(Target("wgrad_{}x{}x{}".format(*shape),
                         "wgrad into fp32 main_grad / plain bf16 GEMM, {} x {} -> {}".format(*shape), "<=", 1.03, "x",
-                        _wgrad(shape)))
+                        _wgrad(shape), "wgrad"))
     return t
 
 

@@ -10,11 +10,13 @@ it expects the full tensor (e.g. ``running_mean should contain 16 elements not 3
 module with :mod:`torch.fx` when that works and checks every node on the way from the columns to the
 row; a parent fx cannot trace (data-dependent control flow, as in many ``transformers`` layers) is
 checked by structure only: no normalisation layer over the split width among the parent's other
-children. Nothing is changed or run on real data.
+children, with a warning that names the parent and fx's reason (the weaker check is never silent).
+Nothing is changed or run on real data.
 """
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Optional
 
 import torch
@@ -47,13 +49,17 @@ def between_problem(module: nn.Module, parent: str, columns: list[str], rows: li
     local = {path.rpartition(".")[2] for path in columns}
     rows_local = {path.rpartition(".")[2] for path in rows}
     row = ", ".join(rows)
-    graph = None
-    if trace:
-        try:
-            graph = torch.fx.symbolic_trace(owner).graph
-        except Exception:  # noqa: BLE001 (fx refuses many real forwards: fall back to the structure)
-            graph = None
-    if graph is None:
+    if not trace:
+        return _norm_sibling(owner, parent, local | rows_local, width)
+    try:
+        graph = torch.fx.symbolic_trace(owner).graph
+    except Exception as error:  # noqa: BLE001 (fx refuses many real forwards: fall back to the structure, loudly)
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        warnings.warn(
+            f"tp_fused: torch.fx cannot trace {parent or 'the model'} ({type(owner).__name__}): "
+            f"{type(error).__name__}: {reason}. What lies between {', '.join(columns)} and {row} is checked by "
+            f"structure only (no normalisation layer over the {width} split features among its children), "
+            "not along the data flow.", UserWarning, stacklevel=2)
         return _norm_sibling(owner, parent, local | rows_local, width)
     starts = [n for n in graph.nodes if n.op == "call_module" and n.target in local]
     ends = [n for n in graph.nodes if n.op == "call_module" and n.target in rows_local]
