@@ -7,9 +7,13 @@
 For each op, tensor list and precision mode, lightning-amp's op and torch's fastest equivalent run
 interleaved on the same tensors (torch: ``fused=True`` where torch has it, else ``foreach=True``; the
 column ``torch impl`` says which ran). Modes: ``fp32`` (fp32 params, grads, state), ``bf16`` (bf16
-params, grads and state), ``master`` (bf16 params and grads, fp32 master weights and state; the
-torch equivalent is its optimizer on fp32 masters plus the foreach copies of the grads in and the
-params out, which is what a user without a fused master-weight kernel runs). Lists: ``few-large``
+params, grads and state), ``master`` (bf16 params and grads carrying a loss scale of 1024, fp32
+master weights and state: the step lightning-amp's engine runs for FusedAdam, i.e. the inf/nan check
+of the 16-bit grads (``ops.multi_tensor_check_finite``, read only), then FusedAdam unscaling inside
+its kernel; the torch equivalent is what a user without a fused master-weight kernel runs: the
+foreach copy of the grads into the fp32 masters' grads, ``torch.amp.GradScaler``'s check of them,
+torch's optimizer unscaling inside its step (fused AdamW reads ``grad_scale``/``found_inf``), and
+the foreach copy of the params out). Lists: ``few-large``
 (4 tensors of 4M elements on cuda, 1M on cpu) and ``many-small`` (10,000 tensors of 1-4k elements).
 The op ``copy`` (``torch._foreach_copy_`` of the list, no torch column) measures the device's copy
 bandwidth on the same tensors: the ceiling for the other rows' GB/s.
@@ -42,6 +46,7 @@ from lightning_amp.bench.worker import device_description
 MODES = ("fp32", "bf16", "master")
 LISTS = ("few-large", "many-small")
 OPS = ("adamw", "sgd", "lamb", "adadelta", "scale", "l2norm", "copy")
+MASTER_LOSS_SCALE = 1024.0  # the loss scale the grads of mode "master" carry
 
 
 @dataclass
@@ -124,6 +129,16 @@ def build_cases(kind: str, mode: str, device: str, ops_wanted) -> Iterator[Case]
         if torch_cls is None:
             return Case(op, mode, ours.step, None, "-", bytes_per_element(op, mode) * numel)
         if mode == "master":
+            scale = torch.full((), MASTER_LOSS_SCALE, device=device)
+            ones = torch.ones((), device=device)
+            ours_found = torch.zeros((), device=device)
+            ours_grads = [p.grad for p in ours_params]
+
+            def ours_step():  # as the engine's protocol driver: check the 16-bit grads, unscale in the kernel
+                ours_found.zero_()
+                ops.multi_tensor_check_finite(ours_grads, ours_found)
+                ours.step(grad_scale=scale, found_inf=ours_found)
+
             half = _params_with_grads(sizes, torch.bfloat16, device, 1)
             masters = [p.detach().float().requires_grad_() for p in half]
             for m in masters:
@@ -131,12 +146,17 @@ def build_cases(kind: str, mode: str, device: str, ops_wanted) -> Iterator[Case]
             opt, impl = _torch_optimizer(torch_cls, masters, **torch_kw)
             grads_in, half_data = [p.grad for p in half], [p.detach() for p in half]
             master_grads, master_data = [m.grad for m in masters], [m.detach() for m in masters]
+            found = torch.zeros((), device=device)
 
-            def theirs():
+            def theirs():  # GradScaler's check, then the optimizer unscales in its step (fused: in its kernel)
                 torch._foreach_copy_(master_grads, grads_in)
+                found.zero_()
+                torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found, ones)
+                opt.grad_scale, opt.found_inf = scale, found
                 opt.step()
                 torch._foreach_copy_(half_data, master_data)
-            return Case(op, mode, ours.step, theirs, impl + " + foreach copies", bytes_per_element(op, mode) * numel)
+            return Case(op, mode, ours_step, theirs, impl + " + check + foreach copies",
+                        bytes_per_element(op, mode) * numel)
         opt, impl = _torch_optimizer(torch_cls, _params_with_grads(sizes, model_dtype, device, 1), **torch_kw)
         return Case(op, mode, ours.step, opt.step, impl, bytes_per_element(op, mode) * numel)
 

@@ -1,16 +1,21 @@
 """Micro-benchmark: fused weight-gradient accumulation vs the unfused PyTorch expressions.
 
 For Megatron-like shapes (tokens x in -> out), times in one run:
-  fused      ops.wgrad_gemm_accum_fp32(x, g, main_grad)        (bf16 operands, fp32 accumulate)
-  unfused    main_grad.add_((g.t() @ x).float())               (bf16 GEMM, rounds dW to bf16, then adds)
+  fused      ops.wgrad_gemm_accum_fp32(x, g, main_grad)        (16-bit operands, fp32 accumulate, beta = 1)
+  unfused    main_grad.add_((g.t() @ x).float())               (16-bit GEMM, rounds dW to 16 bits, then adds)
   fp32 addmm main_grad.addmm_(g32.t(), x32)                    (fp32 operands, the fp32 baseline)
-  gemm       torch.mm(g.t(), x, out=dw)                        (a plain bf16 GEMM of the shape, bf16 out)
+  gemm       torch.mm(g.t(), x, out=dw)                        (a plain 16-bit GEMM of the shape, 16-bit out)
 and prints the fused/unfused, fused/fp32 and fused/gemm time ratios (lower is better for the fused op;
 fused/gemm is what accumulating into fp32 costs over the bare GEMM).
-On CPU the fused op picks its 16-bit GEMM path itself (MKL's bf16 GEMM where the CPU has
-AMX, else fp32 upcast of token blocks + sgemm); the other path is timed too ("alt").
+On CPU the fused op serves 16-bit operands through one of three GEMM paths ("onednn": oneDNN's
+micro-kernel, "mkl": MKL's 16-bit GEMM, "aten": fp32 upcast of token blocks + sgemm), the one its
+one-time measurement found fastest on this CPU ("auto"); each usable path is also timed forced, in
+its own column. The header names the CPU, its bf16 flags, the libraries' ISA caps when set
+(ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS: they emulate a smaller CPU), the load average,
+the commit, and the auto measurement.
 
-Run: .venv/bin/python benchmarks/bench_wgrad.py [--repeat N] [--inner K] [--device cpu|cuda] [--json FILE]
+Run: .venv/bin/python benchmarks/bench_wgrad.py [--repeat N] [--inner K] [--device cpu|cuda] [--dtype bf16|fp16]
+     [--json FILE]
 Timings are medians of N round-robin repeats after a warm-up round, each repeat K back-to-back
 calls (cuda: timed with events, one sync per repeat; cpu: wall clock); ratios are only comparable
 within one run. ``--json FILE`` also writes one row per shape (milliseconds and ratios).
@@ -18,13 +23,17 @@ within one run. ``--json FILE`` also writes one row per shape (milliseconds and 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import statistics
 
 import torch
 
 from bench_optim import measure  # this folder is on sys.path when run as a script
 from lightning_amp import ops
+from lightning_amp.bench.meta import commit, cpu_bf16_flags
+from lightning_amp.bench.worker import device_description
 
 SHAPES = [  # (tokens, in features, out features)
     (4096, 1024, 4096),  # MLP up-projection, hidden 1024
@@ -58,56 +67,82 @@ def _with_policy(ext, policy, fn):
     return run
 
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--inner", type=int, default=None, help="calls per timed sample (default: cpu 1, cuda 20)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--only", default=None, metavar="VARIANT",
+                        help="time only this variant (fused, unfused, fp32, gemm or a CPU path: onednn, mkl, aten), "
+                             "--repeat x --inner calls per shape, and print its times: for pairing whole processes "
+                             "(farm-bench), which then differ only in the variant")
     args = parser.parse_args()
     inner = args.inner or (20 if args.device == "cuda" else 1)
     dev = args.device
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    name = str(dtype)[6:]
     ext = ops._ext_for(dev)
     cpu_hooks = dev == "cpu" and ext is not None
-    chosen = ext._wgrad_cpu_gemm_backend("bfloat16") if cpu_hooks else "cublas" if ext is not None else "torch"
-    alt = {"mkl": "aten", "aten": "mkl"}.get(chosen)
-    if alt == "mkl" and not ext._wgrad_cpu_has_mkl_gemm("bfloat16"):
-        alt = None
-    print(f"backend={ops.backend(dev)} bf16 gemm path={chosen} (alt={alt}) torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} device={dev}")
-    header = (f"{'tokens x in -> out':>22} | {'fused ms':>9} | {'alt ms':>8} | {'unfused ms':>10} | {'fp32 ms':>8} | "
+    chosen = ext._wgrad_cpu_gemm_backend(name) if cpu_hooks else "cublas" if ext is not None else "torch"
+    usable = [p for p, why in ext._wgrad_cpu_gemm_paths(name) if not why] if cpu_hooks else []
+    caps = ", ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ)
+    print(f"bench_wgrad, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit()}, "
+          f"{device_description(dev)}" + (f" [{cpu_bf16_flags()}]" if dev == "cpu" else "")
+          + f", load average {os.getloadavg()[0]:.2f}")
+    print(f"backend={ops.backend(dev)} dtype={args.dtype} torch={torch.__version__} threads={torch.get_num_threads()} "
+          f"device={dev}" + (f" library ISA caps: {caps}" if caps else ""))
+    if cpu_hooks:
+        calibration = ", ".join(f"{p} {s * 1e3:.2f} ms" for p, s in ext._wgrad_cpu_gemm_calibration(name))
+        unusable = "; ".join(f"{p}: {why}" for p, why in ext._wgrad_cpu_gemm_paths(name) if why)
+        print(f"auto path={chosen} (measured: {calibration})" + (f"; not usable: {unusable}" if unusable else ""))
+    cols = [f"{p} ms" for p in usable]
+    header = (f"{'tokens x in -> out':>22} | {'fused ms':>9} | " + " | ".join(f"{c:>9}" for c in cols)
+              + (" | " if cols else "") + f"{'unfused ms':>10} | {'fp32 ms':>8} | "
               f"{'fused/unfused':>13} | {'fused/fp32':>10} | {'gemm ms':>8} | {'fused/gemm':>10} | {'fused GFLOP/s':>13}")
-    print(header)
-    print("-" * len(header))
+    if args.only is None:
+        print(header)
+        print("-" * len(header))
     gen = torch.Generator().manual_seed(0)
     rows = []
     for tokens, n_in, n_out in SHAPES:
-        x = torch.randn(tokens, n_in, generator=gen).bfloat16().to(dev)
-        g = torch.randn(tokens, n_out, generator=gen).bfloat16().to(dev)
+        x = torch.randn(tokens, n_in, generator=gen).to(dtype).to(dev)
+        g = torch.randn(tokens, n_out, generator=gen).to(dtype).to(dev)
         x32, g32 = x.float(), g.float()
         main_grad = torch.zeros(n_out, n_in, device=dev)
-        dw = torch.empty(n_out, n_in, device=dev, dtype=torch.bfloat16)
+        dw = torch.empty(n_out, n_in, device=dev, dtype=dtype)
         variants = {
             "fused": lambda: ops.wgrad_gemm_accum_fp32(x, g, main_grad),
             "unfused": lambda: main_grad.add_((g.t() @ x).float()),
             "fp32": lambda: main_grad.addmm_(g32.t(), x32),
             "gemm": lambda: torch.mm(g.t(), x, out=dw),
         }
-        if alt is not None:
-            variants["alt"] = _with_policy(ext, alt, variants["fused"])
+        for path in usable:
+            variants[path] = _with_policy(ext, path, variants["fused"])
+        if args.only is not None:
+            if args.only not in variants:
+                parser.error(f"--only: choose from {', '.join(variants)}, got {args.only!r}")
+            variants[args.only]()  # warm-up
+            median = measure(variants[args.only], dev, repeats=args.repeat, inner=inner)
+            print(f"{f'{tokens} x {n_in} -> {n_out}':>22} | {args.only} {median * 1e3:.2f} ms", flush=True)
+            continue
         t = _interleaved_medians(variants, args.repeat, dev, inner)
-        fused, unfused, fp32, alt_s = t["fused"], t["unfused"], t["fp32"], t.get("alt", float("nan"))
-        gemm = t["gemm"]
+        fused, unfused, fp32, gemm = t["fused"], t["unfused"], t["fp32"], t["gemm"]
         gflops = 2.0 * tokens * n_in * n_out / fused / 1e9
+        per_path = " | ".join(f"{t[p] * 1e3:9.2f}" for p in usable)
         print(
-            f"{f'{tokens} x {n_in} -> {n_out}':>22} | {fused * 1e3:9.2f} | {alt_s * 1e3:8.2f} | {unfused * 1e3:10.2f} | {fp32 * 1e3:8.2f} | "
+            f"{f'{tokens} x {n_in} -> {n_out}':>22} | {fused * 1e3:9.2f} | " + per_path + (" | " if usable else "")
+            + f"{unfused * 1e3:10.2f} | {fp32 * 1e3:8.2f} | "
             f"{fused / unfused:13.2f} | {fused / fp32:10.2f} | {gemm * 1e3:8.2f} | {fused / gemm:10.2f} | {gflops:13.1f}",
             flush=True,
         )
-        rows.append(dict(tokens=tokens, n_in=n_in, n_out=n_out, fused_ms=fused * 1e3, unfused_ms=unfused * 1e3,
-                         fp32_ms=fp32 * 1e3, gemm_ms=gemm * 1e3, alt_ms=None if alt is None else alt_s * 1e3,
-                         fused_over_gemm=fused / gemm, fused_over_unfused=fused / unfused, fused_gflops=gflops,
-                         device=dev, backend=ops.backend(dev), gemm_path=chosen))
+        rows.append(dict(tokens=tokens, n_in=n_in, n_out=n_out, dtype=args.dtype, fused_ms=fused * 1e3,
+                         unfused_ms=unfused * 1e3, fp32_ms=fp32 * 1e3, gemm_ms=gemm * 1e3,
+                         path_ms={p: t[p] * 1e3 for p in usable}, fused_over_gemm=fused / gemm,
+                         fused_over_unfused=fused / unfused, fused_gflops=gflops, device=dev,
+                         backend=ops.backend(dev), gemm_path=chosen))
         if args.json:
             with open(args.json, "w") as out:
                 json.dump(rows, out, indent=1)

@@ -112,6 +112,25 @@ at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vec
   return cpu::multi_tensor_scale(src, dst, scale, found_inf);
 }
 
+void multi_tensor_check_finite(const std::vector<at::Tensor>& tensors, at::Tensor found_inf) {
+  const char* op = "multi_tensor_check_finite";
+  LAMP_CHECK_NOT_EMPTY(op, "tensors", tensors);
+  LAMP_CHECK_KERNEL_DEVICE(op, "tensors[0]", tensors[0]);
+  const at::Device device = tensors[0].device();
+  check_list(op, "tensors", tensors, device);
+  TORCH_CHECK_VALUE(found_inf.device() == device, op, ": found_inf is on ", found_inf.device(),
+                    " but the tensors are on ", device);
+  LAMP_CHECK_DTYPE(op, "found_inf", found_inf, at::kFloat);
+  TORCH_CHECK_VALUE(found_inf.numel() == 1, op, ": found_inf must hold one element, got shape ", found_inf.sizes());
+#ifdef WITH_CUDA
+  if (device.is_cuda()) {  // torch's own check (an unscale by 1 rewrites the same values; fast on a GPU)
+    at::_amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, at::ones({}, found_inf.options()));
+    return;
+  }
+#endif
+  cpu::multi_tensor_check_finite(tensors, found_inf);
+}
+
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors, bool per_tensor) {
   (void)per_tensor;  // per-tensor norms come for free from the same pass; always returned
   const char* op = "multi_tensor_l2norm";
@@ -155,13 +174,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("src"), py::arg("dst"), py::arg("scale"), py::arg("found_inf"));
   m.def("multi_tensor_l2norm", &lamp::multi_tensor_l2norm, "(global L2 norm, per-tensor norms), fp32",
         py::arg("tensors"), py::arg("per_tensor") = false);
+  m.def("multi_tensor_check_finite", &lamp::multi_tensor_check_finite,
+        "sets found_inf to 1 if any tensor holds inf/nan; reads the tensors only", py::arg("tensors"),
+        py::arg("found_inf"));
 
   // Introspection and test hooks (private).
   m.def("_wgrad_cpu_gemm_backend", [](const std::string& dtype) {
     return lamp::cpu::wgrad_cpu_gemm_backend(parse_wgrad_dtype(dtype));
   });
-  m.def("_wgrad_cpu_has_mkl_gemm", [](const std::string& dtype) {
-    return lamp::cpu::wgrad_cpu_has_mkl_gemm(parse_wgrad_dtype(dtype));
+  m.def("_wgrad_cpu_gemm_paths", [](const std::string& dtype) {
+    return lamp::cpu::wgrad_cpu_gemm_paths(parse_wgrad_dtype(dtype));
+  });
+  m.def("_wgrad_cpu_gemm_calibration", [](const std::string& dtype) {
+    return lamp::cpu::wgrad_cpu_gemm_calibration(parse_wgrad_dtype(dtype));
   });
   m.def("_set_wgrad_cpu_gemm_policy", &lamp::cpu::set_wgrad_cpu_gemm_policy, py::arg("policy"));
   m.def("_set_wgrad_k_chunk", &lamp::cpu::set_wgrad_k_chunk, py::arg("rows"));

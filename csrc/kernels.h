@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace lamp {
@@ -17,21 +18,29 @@ namespace cpu {
 // or float16/bfloat16 (fp32 product tile added and rounded once per element).
 void wgrad_gemm_accum(const at::Tensor& x, const at::Tensor& g, at::Tensor& main_grad);
 
-// Which CPU GEMM serves operands of dtype now: "mkl" (cblas_gemm_bf16bf16f32 / f16f16f32)
-// or "aten" (fp32 upcast of K-blocks of the operands, then addmm_; always for fp32).
+// Which CPU GEMM serves operands of dtype now: "onednn", "mkl" or "aten" (csrc/cpu/wgrad_gemm.cpp
+// says what each is; float32 always "aten"). Under the "auto" policy this runs the one-time
+// measurement of the 16-bit paths if it has not run yet.
 std::string wgrad_cpu_gemm_backend(at::ScalarType dtype);
-// Whether MKL's 16-bit GEMM for dtype was found in the process at all.
-bool wgrad_cpu_has_mkl_gemm(at::ScalarType dtype);
+// Each path with the reason it cannot serve dtype now ("" = usable).
+std::vector<std::pair<std::string, std::string>> wgrad_cpu_gemm_paths(at::ScalarType dtype);
+// The "auto" measurement for a 16-bit dtype (made now if not yet): the paths usable at the time,
+// fastest first, with the seconds of their fastest round.
+std::vector<std::pair<std::string, double>> wgrad_cpu_gemm_calibration(at::ScalarType dtype);
 
-// Test / benchmark hooks: cap on the rows (K) handed to one BLAS call (0 = automatic: the
-// largest K that keeps every operand below 2^31 elements), and the 16-bit GEMM policy:
-// "auto" (MKL when the CPU has AMX for the dtype), "mkl" (whenever found) or "aten".
+// Test / benchmark hooks: cap on the rows (K) handed to one GEMM call (0 = automatic: the
+// largest K that keeps every operand below 2^31 elements for MKL, the default step of the other
+// paths), and the 16-bit GEMM policy: "auto" (the fastest path measured once per dtype) or a path
+// ("onednn", "mkl", "aten"), which then must be usable.
 void set_wgrad_k_chunk(int64_t rows);
 int64_t wgrad_k_chunk();
 void set_wgrad_cpu_gemm_policy(const std::string& policy);
 
 at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale,
                               at::Tensor& found_inf);
+
+// found_inf set to 1 when any element of tensors is inf or nan; the tensors are only read.
+void multi_tensor_check_finite(const std::vector<at::Tensor>& tensors, at::Tensor& found_inf);
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors);
 

@@ -10,6 +10,9 @@ Environment switches (read once, at import):
   it wins over the next one.
 * ``LIGHTNING_AMP_REQUIRE_EXT=1`` turns the fallback into an ImportError: the extension must
   load, and must have CUDA kernels when torch sees a CUDA device (CI and GPU checks set it).
+* ``LIGHTNING_AMP_WGRAD_CPU_GEMM=auto|onednn|mkl|aten`` pins the CPU GEMM path of
+  :func:`wgrad_gemm_accum_fp32` for 16-bit operands (default ``auto``: measured once per process);
+  any other value is a ValueError naming the variable.
 
 ``backend(device)`` tells which implementation serves a device.
 
@@ -27,7 +30,8 @@ Conventions shared by all ops:
   ``multi_tensor_lamb``'s ``reduce_norms``).
 
 The pure-PyTorch implementations are also reachable as private functions
-(``_wgrad_fallback``, ``_scale_fallback``, ``_l2norm_fallback``) so tests can compare both.
+(``_wgrad_fallback``, ``_scale_fallback``, ``_check_finite_fallback``, ``_l2norm_fallback``) so tests
+can compare both.
 """
 from __future__ import annotations
 
@@ -85,6 +89,19 @@ def _load_extension() -> None:
 _load_extension()
 
 
+def _apply_wgrad_cpu_gemm_env() -> None:
+    value = os.environ.get("LIGHTNING_AMP_WGRAD_CPU_GEMM")
+    if value is None or _EXT is None:
+        return
+    try:
+        _EXT._set_wgrad_cpu_gemm_policy(value)
+    except ValueError as err:
+        raise ValueError(f"LIGHTNING_AMP_WGRAD_CPU_GEMM={value!r}: {err}") from None
+
+
+_apply_wgrad_cpu_gemm_env()
+
+
 def extension_error() -> Optional[str]:
     """Why the compiled extension is not in use, or None when it is loaded."""
     return _EXT_ERROR
@@ -122,6 +139,15 @@ def backend(device: torch.device | str = "cpu") -> str:
 # --------------------------------------------------------------------------------------
 # Weight-gradient GEMM with accumulation (Megatron gradient_accumulation_fusion)
 # --------------------------------------------------------------------------------------
+
+
+def wgrad_cpu_gemm(dtype: torch.dtype) -> Optional[str]:
+    """The CPU GEMM path that serves :func:`wgrad_gemm_accum_fp32` for ``dtype`` operands in this
+    process: ``"onednn"``, ``"mkl"`` or ``"aten"`` (for 16-bit dtypes this runs the one-time
+    measurement if it has not run yet), or None without the compiled extension."""
+    if _EXT is None:
+        return None
+    return _EXT._wgrad_cpu_gemm_backend(str(dtype).replace("torch.", ""))
 
 
 def _check_dense(op: str, name: str, t: Tensor) -> None:
@@ -210,11 +236,14 @@ def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor)
     ``main_grad`` is a contiguous fp32 ``[out, in]`` buffer.
 
     Backends: CUDA ``cublasGemmEx`` with beta = 1 into ``main_grad`` (CUBLAS_COMPUTE_32F).
-    CPU: fp32 operands via ``addmm_`` (sgemm, beta = 1); 16-bit operands via MKL's
-    ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32`` (beta = 1) on CPUs with AMX, else
-    by upcasting blocks of token rows to fp32 and ``addmm_`` (faster there; temporaries of a
-    few MiB). No path materialises the full product. The fallback (no extension) builds the
-    fp32 product (on CUDA with the 16-bit GEMM, ``out_dtype=torch.float32``) and adds it.
+    CPU: fp32 operands via ``addmm_`` (sgemm, beta = 1); 16-bit operands through the fastest of
+    three paths, measured once per process and dtype at the first call (four 2048 x 1024 x 1024
+    products per usable path): ``onednn`` (oneDNN's micro-kernel inside torch, on AMX or AVX-512 BF16/FP16
+    units), ``mkl`` (MKL's ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32``) or ``aten``
+    (token blocks upcast to fp32, then ``addmm_``). All three sum exact products in fp32 with
+    beta = 1 (they differ only in the order of the sums); ``LIGHTNING_AMP_WGRAD_CPU_GEMM`` pins one.
+    No path materialises the full product. The fallback (no extension) builds the fp32 product
+    (on CUDA with the 16-bit GEMM, ``out_dtype=torch.float32``) and adds it.
     """
     _check_wgrad_args(input, grad_output, main_grad, (torch.float32,))
     ext = _ext_for(main_grad.device)
@@ -296,6 +325,40 @@ def _scale_fallback(src: Sequence[Tensor], dst: Sequence[Tensor], scale: float, 
     for s, d in zip(src, dst):
         d.copy_(s.float().mul(scale) if s.dtype != d.dtype else s.mul(scale))
     return flags
+
+
+def multi_tensor_check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> Tensor:
+    """Set ``found_inf`` (0-dim float32, on the tensors' device) to 1.0 if any element of ``tensors``
+    (dense, floating) is inf or nan, reading them only; it is never cleared. Returns ``found_inf``.
+
+    The check before a step that unscales inside its own kernel: ``torch._amp_foreach_non_finite_check_and_unscale_``
+    with an inverse scale of 1 gives the same flag but writes every tensor back (CPU: one read-only
+    parallel pass here instead; CUDA: torch's op)."""
+    for i, t in enumerate(tensors):
+        _check_dense("multi_tensor_check_finite", f"tensors[{i}]", t)
+        if not t.is_floating_point():
+            raise TypeError(f"multi_tensor_check_finite: tensors[{i}] must be floating point, got {t.dtype}")
+        if t.device != found_inf.device:
+            raise ValueError(f"multi_tensor_check_finite: tensors[{i}] is on {t.device} but found_inf is on "
+                             f"{found_inf.device}")
+    if found_inf.dtype != torch.float32 or found_inf.numel() != 1:
+        raise TypeError(f"multi_tensor_check_finite: found_inf must be one float32 element, got {found_inf.dtype} "
+                        f"of shape {tuple(found_inf.shape)}")
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return found_inf
+    ext = _ext_for(found_inf.device)
+    if ext is not None and hasattr(ext, "multi_tensor_check_finite") and _ext_accepts(tensors):
+        ext.multi_tensor_check_finite(list(tensors), found_inf)
+    else:
+        _check_finite_fallback(tensors, found_inf)
+    return found_inf
+
+
+def _check_finite_fallback(tensors: Sequence[Tensor], found_inf: Tensor) -> None:
+    """Pure-PyTorch multi_tensor_check_finite (no host read)."""
+    bad = torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any().float()
+    torch.maximum(found_inf, bad.reshape(found_inf.shape), out=found_inf)
 
 
 def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> tuple[Tensor, Optional[Tensor]]:

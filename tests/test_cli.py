@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_amp import cli
+from lightning_amp import cli, ops
 from lightning_amp.bench import RunSpec, compare, draw_chart, markdown_table
 from lightning_amp.bench.chart import LEVEL_COLOURS
 from lightning_amp.bench import memory as memory_module
@@ -399,6 +399,10 @@ def test_info_reports_versions_and_backend(capsys):
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "cpu backend:" in out and "amx_bf16=" in out
     assert f"lightning {lightning.__version__}" in out
+    if ops.backend("cpu") == "cpu-ext":
+        line = next(line for line in out.splitlines() if line.startswith("cpu wgrad GEMM path"))
+        assert f"bf16 {ops.wgrad_cpu_gemm(torch.bfloat16)}" in line and f"fp16 {ops.wgrad_cpu_gemm(torch.float16)}" in line
+        assert ops.wgrad_cpu_gemm(torch.bfloat16) in ("onednn", "mkl", "aten")
 
 
 def test_version_and_help_with_examples(capsys):

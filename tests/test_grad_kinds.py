@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_amp import AmpPrecision
-from lightning_amp.amp.grad_kinds import check_and_unscale_
+from lightning_amp.amp.grad_kinds import check_and_unscale_, check_finite
 from lightning_amp.amp.module_cast import cast_floating
 
 from _lightning import quiet_lightning
@@ -276,6 +276,30 @@ def test_half_sparse_grad_that_overflows_when_coalesced_is_found():
     grad = torch.sparse_coo_tensor(torch.tensor([[2, 2]]), torch.tensor([40000.0, 40000.0]), (4,)).half()
     found = torch.zeros(())
     check_and_unscale_([grad], found, torch.tensor(1.0))
+    assert found.item() == 1.0
+
+
+def test_check_finite_every_kind_reads_only():
+    """The check before a step that unscales in its kernel (FusedAdam & co.): every kind's inf/nan is
+    found, an fp16 sparse grad that overflows only when coalesced too, and no grad changes."""
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3).bfloat16(), torch.randn(7, dtype=torch.complex64),
+             torch.sparse_coo_tensor(torch.tensor([[0, 3, 3, 1]]), torch.randn(4, 2), (6, 2))]
+    found = torch.zeros(())
+    check_finite(grads, found)
+    assert found.item() == 0.0
+    for i, grad in enumerate(grads):
+        bad = [g.clone() for g in grads]
+        target = bad[i]._values() if bad[i].is_sparse else torch.view_as_real(bad[i]) if bad[i].is_complex() else bad[i]
+        target.view(-1)[-1] = math.inf
+        before = [g.clone() for g in bad]
+        found = torch.zeros(())
+        check_finite(bad, found)
+        assert found.item() == 1.0, f"non-finite value in grad {i} ({grad.layout}, {grad.dtype}) not found"
+        assert all(torch.equal(a.to_dense(), b.to_dense()) for a, b in zip(bad, before))
+    found = torch.zeros(())
+    check_finite([torch.sparse_coo_tensor(torch.tensor([[2, 2]]), torch.tensor([40000.0, 40000.0]), (4,)).half()],
+                 found)
     assert found.item() == 1.0
 
 

@@ -44,6 +44,8 @@ OPS = {
     "multi_tensor_scale": (lambda d: dict(src=_pair(d), dst=_pair(d), scale=0.5, found_inf=_z(d)),
                            "src", "dst", ("src", "dst")),
     "multi_tensor_l2norm": (lambda d: dict(tensors=_pair(d), per_tensor=True), "tensors", "tensors", ("tensors",)),
+    "multi_tensor_check_finite": (lambda d: dict(tensors=_pair(d), found_inf=_z(d)), "tensors", "tensors",
+                                  ("tensors",)),
     "multi_tensor_adam": (lambda d: dict(params=_pair(d), grads=_pair(d), exp_avgs=_pair(d), exp_avg_sqs=_pair(d),
                                          max_exp_avg_sqs=[], steps=[_z(d), _z(d)], model_copies=[], lr=1e-3,
                                          beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True,

@@ -160,6 +160,78 @@ def _norm_ref(tensors):
     return each.pow(2).sum().sqrt(), each
 
 
+# -------------------------------------------------------------- check_finite (read only)
+
+CHECK_IMPLS = [("fallback", ops._check_finite_fallback)] + (
+    [("ext", lambda ts, f: EXT.multi_tensor_check_finite(list(ts), f))] if EXT is not None else [])
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=str)
+def test_check_finite_finds_each_position_and_reads_only(dtype, bad):
+    """One non-finite value anywhere (the first element, a vector's last lane, a chunk boundary, the
+    tail) sets the flag; finite lists leave it 0; the tensors are left bit for bit (read only)."""
+    seed = torch.seed()
+    tensors = _randn_list(SHAPES, [dtype] * len(SHAPES), seed)
+    for name, fn in CHECK_IMPLS:
+        found = torch.zeros(())
+        before = [t.clone() for t in tensors]
+        fn(tensors, found)
+        assert found.item() == 0.0, (name, seed)
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(tensors, before)), name
+        for t in range(len(tensors)):
+            for pos in sorted({0, 15, 16, 31, 65535, tensors[t].numel() - 1}):
+                if pos >= tensors[t].numel():
+                    continue
+                broken = [x.clone() for x in tensors]
+                broken[t].view(-1)[pos] = bad
+                snapshot = [x.clone() for x in broken]
+                found = torch.zeros(())
+                fn(broken, found)
+                assert found.item() == 1.0, (name, t, pos, seed)
+                assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(broken, snapshot)), name
+
+
+def test_check_finite_public_op():
+    """ops.multi_tensor_check_finite: mixed dtypes, a non-contiguous tensor (fallback), empty tensors
+    and lists; found_inf is never cleared; bad input names the argument."""
+    tensors = _randn_list(SHAPES, [torch.bfloat16, torch.float16, torch.float32] * 2, 5)
+    found = torch.zeros(())
+    assert ops.multi_tensor_check_finite(tensors + [torch.empty(0)], found) is found and found.item() == 0.0
+    strided = torch.randn(20, 10).t()
+    strided[3, 4] = float("nan")
+    ops.multi_tensor_check_finite([tensors[0], strided], found)
+    assert found.item() == 1.0
+    ops.multi_tensor_check_finite(tensors, found)
+    assert found.item() == 1.0  # never cleared
+    assert ops.multi_tensor_check_finite([], torch.zeros(())).item() == 0.0
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be floating point"):
+        ops.multi_tensor_check_finite([tensors[0], torch.ones(3, dtype=torch.int64)], torch.zeros(()))
+    with pytest.raises(TypeError, match=r"tensors\[0\] must be a dense"):
+        ops.multi_tensor_check_finite([tensors[0].to_sparse()], torch.zeros(()))
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on meta but found_inf is on cpu"):
+        ops.multi_tensor_check_finite([torch.empty(3, device="meta")], torch.zeros(()))
+    with pytest.raises(TypeError, match="found_inf must be one float32 element"):
+        ops.multi_tensor_check_finite(tensors, torch.zeros(2))
+
+
+@needs_ext
+def test_check_finite_many_chunks():
+    """Three tensors of 2^20 elements and one of 5 (49 chunks of the parallel pass): the nan in the
+    very last element is found."""
+    tensors = [torch.zeros(1 << 20, dtype=torch.bfloat16) for _ in range(3)] + [torch.zeros(5)]
+    found = torch.zeros(())
+    EXT.multi_tensor_check_finite(tensors, found)
+    assert found.item() == 0.0
+    tensors[-1][-1] = float("nan")
+    EXT.multi_tensor_check_finite(tensors, found)
+    assert found.item() == 1.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, None], ids=str)
 def test_l2norm_matches_fp64(dtype):
     dtypes = [dtype] * len(SHAPES) if dtype else [torch.float32, torch.bfloat16, torch.float16] * 2

@@ -1,4 +1,10 @@
 """ops.wgrad_gemm_accum_fp32 / _fp16 against fp64 references, compiled path vs fallback."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -132,46 +138,224 @@ def test_ext_matches_fallback(dtype):
     assert _rel_err(a, b.double()) < 1e-6
 
 
+CPU_PATHS = ("onednn", "mkl", "aten")
+
+
+def _unusable(dtype):
+    """{path: why it cannot serve dtype here} for the paths that cannot."""
+    return {p: why for p, why in EXT._wgrad_cpu_gemm_paths(str(dtype)[6:]) if why}
+
+
+@contextlib.contextmanager
+def _policy(policy, k_chunk=0):
+    EXT._set_wgrad_cpu_gemm_policy(policy)
+    EXT._set_wgrad_k_chunk(k_chunk)
+    try:
+        yield
+    finally:
+        EXT._set_wgrad_k_chunk(0)
+        EXT._set_wgrad_cpu_gemm_policy("auto")
+
+
+def _skip_unusable(path, dtype):
+    if dtype != torch.float32 and path in _unusable(dtype):
+        pytest.skip(f"CPU GEMM path {path} cannot serve {dtype} here: {_unusable(dtype)[path]}")
+
+
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("policy", ["mkl", "aten"])
+@pytest.mark.parametrize("policy", CPU_PATHS)
 def test_k_chunking_path(dtype, policy):
-    """Splitting the token dimension (done for > 2^31-element operands) gives the same sum.
+    """Splitting the token dimension (done for > 2^31-element operands, and in steps on the oneDNN
+    path) gives the same sum.
 
-    The test hook lowers the rows-per-BLAS-call cap so 101 tokens run as 15 calls; both CPU
-    GEMM paths for 16-bit operands (MKL's 16-bit GEMM and the upcast-block path) are forced.
+    The test hook lowers the rows-per-call cap so 101 tokens run as 15 calls of 7 rows (odd: the
+    oneDNN path pads each step with a zero row); each CPU GEMM path for 16-bit operands is forced.
     """
-    if policy == "mkl" and dtype != torch.float32 and not EXT._wgrad_cpu_has_mkl_gemm(str(dtype)[6:]):
-        pytest.skip("this torch exports no MKL 16-bit GEMM")
+    _skip_unusable(policy, dtype)
     x, g, main = _operands((101,), 19, 23, dtype, 50)
     ref = _reference(x, g, main)
     assert EXT._wgrad_k_chunk() == 0
-    EXT._set_wgrad_k_chunk(7)
-    EXT._set_wgrad_cpu_gemm_policy(policy)
-    try:
+    with _policy(policy, k_chunk=7):
         if dtype != torch.float32:
             assert EXT._wgrad_cpu_gemm_backend(str(dtype)[6:]) == policy
         EXT.wgrad_gemm_accum_fp32(x, g, main)
         half = main.to(torch.bfloat16)
         before = half.clone()
         EXT.wgrad_gemm_accum_fp16(x, g, half)
-    finally:
-        EXT._set_wgrad_k_chunk(0)
-        EXT._set_wgrad_cpu_gemm_policy("auto")
     assert _rel_err(main, ref) < 1e-5
     _assert_rounded_once(half, x, g, before)
 
 
+# Shapes around the oneDNN path's blocks (32 rows of main_grad, 64 columns, 1024-4096 tokens per
+# step) and its 512 KiB panels of 64-column blocks, plus the tiny and the one-token cases.
+PATH_SHAPES = [((1,), 1, 1), ((2,), 3, 5), ((1025,), 65, 33), ((3, 7), 130, 31), ((2049,), 64, 32),
+               ((300,), 700, 97), ((17,), 1000, 2), ((1100,), 300, 40), ((4101,), 20, 30)]
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("policy", CPU_PATHS)
+def test_each_cpu_path_matches_fp64(dtype, policy):
+    """Every usable 16-bit path sums exact products in fp32 into main_grad (fresh inputs)."""
+    _skip_unusable(policy, dtype)
+    seed = torch.seed()
+    with _policy(policy):
+        for i, (lead, n_in, n_out) in enumerate(PATH_SHAPES):
+            x, g, main = _operands(lead, n_in, n_out, dtype, seed + i)
+            ref = _reference(x, g, main)
+            EXT.wgrad_gemm_accum_fp32(x, g, main)
+            assert _rel_err(main, ref) < 1e-5, (policy, lead, n_in, n_out, seed)
+
+
+@needs_ext
+@pytest.mark.parametrize("policy", CPU_PATHS)
+def test_each_cpu_path_half_main_grad_in_tiles(policy):
+    """A 16-bit main_grad above the fp32 tile size (4M elements) runs as two row tiles: each path then
+    reads grad_output as a column slice of a wider matrix; every element is still rounded once."""
+    _skip_unusable(policy, torch.bfloat16)
+    seed = torch.seed()
+    x, g, main = _operands((5,), 1030, 4100, torch.bfloat16, seed)
+    half = main.bfloat16()
+    before = half.clone()
+    with _policy(policy):
+        EXT.wgrad_gemm_accum_fp16(x, g, half)
+    _assert_rounded_once(half, x, g, before, f"{policy}, seed {seed}")
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_auto_takes_the_fastest_measured_path(dtype):
+    """"auto" times every usable path once per process and keeps the fastest: the measurement lists
+    each usable path once, fastest first, and the backend is its first entry."""
+    usable = [p for p, why in EXT._wgrad_cpu_gemm_paths(dtype) if not why]
+    assert "aten" in usable
+    ranked = EXT._wgrad_cpu_gemm_calibration(dtype)
+    assert sorted(p for p, _ in ranked) == sorted(usable)
+    seconds = [s for _, s in ranked]
+    assert seconds == sorted(seconds) and all(0 < s < float("inf") for s in seconds)
+    assert EXT._wgrad_cpu_gemm_backend(dtype) == ranked[0][0]
+    assert EXT._wgrad_cpu_gemm_calibration(dtype) == ranked  # measured once, not per call
+
+
+@needs_ext
+def test_onednn_switched_off_is_not_used():
+    """torch.backends.mkldnn.enabled = False makes the oneDNN path unusable at once: "auto" moves to
+    the next measured path, a forced "onednn" raises naming why."""
+    EXT._wgrad_cpu_gemm_calibration("bfloat16")  # measured while oneDNN is on (it is measured once per process)
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        assert "oneDNN is disabled" in _unusable(torch.bfloat16)["onednn"]
+        assert EXT._wgrad_cpu_gemm_backend("bfloat16") != "onednn"
+        x, g, main = _operands((9,), 12, 10, torch.bfloat16, 70)
+        ref = _reference(x, g, main)
+        EXT.wgrad_gemm_accum_fp32(x, g, main)
+        assert _rel_err(main, ref) < 1e-5
+        with _policy("onednn"), pytest.raises(RuntimeError, match="path 'onednn'.*cannot serve.*oneDNN is disabled"):
+            EXT.wgrad_gemm_accum_fp32(x, g, main)
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
 @needs_ext
 def test_cpu_gemm_hooks():
+    assert [p for p, _ in EXT._wgrad_cpu_gemm_paths("bfloat16")] == list(CPU_PATHS)
     if torch.backends.mkl.is_available():
-        assert EXT._wgrad_cpu_has_mkl_gemm("bfloat16") and EXT._wgrad_cpu_has_mkl_gemm("float16")
-    assert EXT._wgrad_cpu_gemm_backend("bfloat16") in ("mkl", "aten")
+        assert "mkl" not in _unusable(torch.bfloat16) and "mkl" not in _unusable(torch.float16)
+    assert EXT._wgrad_cpu_gemm_backend("bfloat16") in CPU_PATHS
     assert EXT._wgrad_cpu_gemm_backend("float32") == "aten"
+    assert set(_unusable(torch.float32)) == {"onednn", "mkl"}
     with pytest.raises(ValueError, match="rows must be >= 0"):
         EXT._set_wgrad_k_chunk(-1)
-    with pytest.raises(ValueError, match="'auto', 'mkl' or 'aten'"):
+    with pytest.raises(ValueError, match="'auto', 'onednn', 'mkl' or 'aten'"):
         EXT._set_wgrad_cpu_gemm_policy("fast")
+    with pytest.raises(ValueError, match="float32 operands are not measured"):
+        EXT._wgrad_cpu_gemm_calibration("float32")
+
+
+# What each CPU kind lets the libraries use, emulated by capping their ISA (oneDNN reads
+# ONEDNN_MAX_CPU_ISA, MKL reads MKL_ENABLE_INSTRUCTIONS at load; torch's bf16 matmul follows oneDNN's).
+# kind -> (environment, the CPU flags the kind needs from the host, paths unusable for bf16, for fp16)
+CPU_KINDS = {
+    "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}, {"avx2"}, {"onednn"}, {"onednn"}),
+    "avx512_bf16": ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3"},
+                    {"avx512_bf16"}, set(), {"onednn"}),
+    "amx": ({}, {"amx_bf16", "amx_tile"}, set(), None),  # fp16 on oneDNN needs AVX512-FP16: host-dependent
+}
+
+_KIND_SCRIPT = """
+import json, torch
+from lightning_amp import ops
+ext = ops._ext_for("cpu")
+out = {}
+for dt in (torch.bfloat16, torch.float16):
+    name = str(dt)[6:]
+    usable = [p for p, why in ext._wgrad_cpu_gemm_paths(name) if not why]
+    errs = {}
+    for policy in usable + ["auto"]:
+        ext._set_wgrad_cpu_gemm_policy(policy)
+        gen = torch.Generator().manual_seed(SEED)
+        x = torch.randn(333, 70, generator=gen).to(dt)
+        g = torch.randn(333, 129, generator=gen).to(dt)
+        main = torch.randn(129, 70, generator=gen)
+        ref = main.double() + g.double().t() @ x.double()
+        ext.wgrad_gemm_accum_fp32(x, g, main)
+        errs[policy] = ((main.double() - ref).norm() / ref.norm()).item()
+    ext._set_wgrad_cpu_gemm_policy("auto")
+    out[name] = dict(unusable=sorted(p for p, why in ext._wgrad_cpu_gemm_paths(name) if why), errs=errs,
+                     ranked=[p for p, _ in ext._wgrad_cpu_gemm_calibration(name)],
+                     backend=ext._wgrad_cpu_gemm_backend(name))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", list(CPU_KINDS))
+def test_cpu_kind_paths_and_choice(kind):
+    """Each CPU kind we meet (AMX; AVX512-BF16 without AMX; AVX2 only), emulated on a bigger CPU by
+    capping oneDNN's and MKL's ISA in a fresh process: the paths that cannot run there are refused
+    (not used), every usable path and "auto" match fp64, and "auto" takes its measured fastest."""
+    env_caps, needs, bf16_unusable, f16_unusable = CPU_KINDS[kind]
+    missing = needs - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)}: it cannot stand in for a {kind} CPU")
+    seed = torch.seed() % 2**31
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                                                           "LIGHTNING_AMP_WGRAD_CPU_GEMM")}
+    env.update(env_caps)
+    proc = subprocess.run([sys.executable, "-c", _KIND_SCRIPT.replace("SEED", str(seed))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    for name, unusable in (("bfloat16", bf16_unusable), ("float16", f16_unusable)):
+        r = result[name]
+        if unusable is not None:
+            assert set(r["unusable"]) == unusable, (kind, name, r)
+        assert set(r["errs"]) == set(r["ranked"]) | {"auto"}, r
+        assert all(err < 1e-5 for err in r["errs"].values()), (kind, name, seed, r)
+        assert r["backend"] == r["ranked"][0], r
+
+
+@needs_ext
+def test_policy_from_environment():
+    """LIGHTNING_AMP_WGRAD_CPU_GEMM pins the path at import; a bad value is a ValueError naming it."""
+    env = dict(os.environ, LIGHTNING_AMP_WGRAD_CPU_GEMM="aten")
+    code = "from lightning_amp import ops; print(ops._ext_for('cpu')._wgrad_cpu_gemm_backend('bfloat16'))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "aten", proc.stderr[-2000:]
+    env["LIGHTNING_AMP_WGRAD_CPU_GEMM"] = "fastest"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "ValueError: LIGHTNING_AMP_WGRAD_CPU_GEMM='fastest'" in proc.stderr and "'onednn'" in proc.stderr
 
 
 # ---------------------------------------------------------------- argument errors

@@ -1,6 +1,7 @@
 // CPU multi-tensor scale: dst[i] = src[i] * scale for a list of tensors in one parallel
 // pass, noting which sources hold inf/nan. fp32 math; src and dst dtypes may differ
-// (e.g. bf16 grads into fp32 master grads) and dst may alias src.
+// (e.g. bf16 grads into fp32 master grads) and dst may alias src. And the same inf/nan check
+// alone, reading the tensors only (the check before a step whose kernel unscales).
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -40,7 +41,44 @@ bool scale_range(const S* src, D* dst, int64_t n, float scale) {
   return !std::isfinite(tail);
 }
 
+// Whether any of src[0, n) is inf or nan, reading only (two accumulators, the same x * 0 test).
+template <typename S>
+bool nonfinite_range(const S* src, int64_t n) {
+  constexpr int64_t W = VecF::size();
+  const VecF zero(0.f);
+  VecF acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    acc0 = at::vec::fmadd(load_f32(src + i), zero, acc0);
+    acc1 = at::vec::fmadd(load_f32(src + i + W), zero, acc1);
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) tail += static_cast<float>(src[i]) * 0.f;
+  float lanes[W];
+  (acc0 + acc1).store(lanes);
+  for (int64_t j = 0; j < W; ++j) tail += lanes[j];
+  return !std::isfinite(tail);
+}
+
 }  // namespace
+
+void multi_tensor_check_finite(const std::vector<at::Tensor>& tensors, at::Tensor& found_inf) {
+  const std::vector<Chunk> chunks = make_chunks(numels_of(tensors));
+  std::vector<uint8_t> chunk_bad(chunks.size(), 0);
+  for_each_chunk(chunks, [&](int64_t ci, const Chunk& c) {
+    const at::Tensor& t = tensors[c.tensor];
+    dispatch_float_like(t.scalar_type(), "multi_tensor_check_finite", [&](auto tag) {
+      using S = decltype(tag);
+      chunk_bad[ci] = nonfinite_range<S>(t.const_data_ptr<S>() + c.begin, c.end - c.begin) ? 1 : 0;
+    });
+  });
+  for (uint8_t bad : chunk_bad) {
+    if (bad) {
+      found_inf.fill_(1.f);  // never cleared here, as multi_tensor_scale
+      return;
+    }
+  }
+}
 
 at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale,
                               at::Tensor& found_inf) {

@@ -5,8 +5,9 @@ ranks, see :func:`agree`):
 
 1. :meth:`OptimizerStep.unscale` (or :meth:`~OptimizerStep.inspect` when the optimizer unscales in
    its own kernel) checks every grad for inf/nan in one ``torch._amp_foreach_non_finite_check_and_unscale_``
-   call per device, writing a 0-dim fp32 ``found_inf`` on the device (sparse and complex grads
-   through their real values, :mod:`lightning_amp.amp.grad_kinds`).
+   call per device (with nothing to unscale, one read-only ``ops.multi_tensor_check_finite`` call),
+   writing a 0-dim fp32 ``found_inf`` on the device (sparse and complex grads through their real
+   values, :mod:`lightning_amp.amp.grad_kinds`).
 2. :meth:`OptimizerStep.apply` steps through one of three drivers, chosen per step:
 
    * ``kernel``: a plain ``torch.optim.Adam``/``AdamW``/``SGD`` (:mod:`lightning_amp.amp.kernel_step`)
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from lightning_amp.amp.flat import FlatGradBuffer
 from lightning_amp.amp.gate import StepGate
-from lightning_amp.amp.grad_kinds import check_and_unscale_, real_values
+from lightning_amp.amp.grad_kinds import check_and_unscale_, check_finite, real_values
 from lightning_amp.amp.kernel_step import KernelStep, supports
 from lightning_amp.amp.master import optimizer_grads, optimizer_params
 from lightning_amp.amp.scaler import LossScaler
@@ -143,8 +144,12 @@ class OptimizerStep:
         by_device = {device: grads} if len(self._devices) <= 1 else _by_device(grads)
         for dev, tensors in by_device.items():
             flag = found if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
-            inv_t = inv.to(dev) if isinstance(inv, Tensor) else torch.full((), inv, dtype=torch.float32, device=dev)
-            check_and_unscale_(tensors, flag, inv_t)
+            if isinstance(inv, float) and inv == 1.0:  # nothing to unscale: only read the grads
+                check_finite(tensors, flag)
+            else:
+                inv_t = inv.to(dev) if isinstance(inv, Tensor) else torch.full((), inv, dtype=torch.float32,
+                                                                                device=dev)
+                check_and_unscale_(tensors, flag, inv_t)
             if flag is not found:
                 torch.maximum(found, flag.to(device), out=found)
         return found
