@@ -214,10 +214,11 @@ class AmpPrecision(Precision):
         registered until ``teardown``. O3: half."""
         trainer = getattr(module, "_trainer", None)
         if trainer is None:
+            fabric_name = _FABRIC_NAMES.get(type(self).__name__, "FabricAmpPrecision")
             raise TypeError(
                 f"{type(self).__name__} is a Lightning Trainer plugin and got a module without a Trainer (Lightning "
-                f"Fabric?). With Fabric use lightning_amp.fabric.{_FABRIC_NAMES.get(type(self).__name__, 'AmpPrecision')}"
-                f"(...): `Fabric(plugins=[{_FABRIC_NAMES.get(type(self).__name__, 'AmpPrecision')}()])`."
+                f"Fabric?). With Fabric use lightning_amp.fabric.{fabric_name}(...): "
+                f"`Fabric(plugins=[{fabric_name}()])`."
             )
         self._use_device_type(trainer.strategy.root_device.type)
         refuse_strategy(self, trainer.strategy)
