@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_amp.fabric.precision import FabricAmpPrecision
+from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.runtime import TensorParallelRuntime
 from lightning_amp.parallel.strategy import _conversion_report, destroy_group_at_exit
 from lightning_amp.unsupported import refuse_precision_under_tp_fused
@@ -71,12 +72,15 @@ class TensorParallelStrategy(DDPStrategy):
         bucket_numel: int = 2**22,
         overlap_grad_reduce: bool = True,
         allow_replicated: bool = False,
+        config: Optional[TensorParallelConfig] = None,
         **ddp_kwargs: Any,
     ) -> None:
-        self.runtime = TensorParallelRuntime(
-            tensor_parallel_size, sequence_parallel, gradient_accumulation_fusion, async_grad_allreduce, plan,
-            sequence_dim, bucket_numel, overlap_grad_reduce, allow_replicated,
-        )
+        self.runtime = TensorParallelRuntime(TensorParallelConfig.from_kwargs(
+            config, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
+            gradient_accumulation_fusion=gradient_accumulation_fusion, async_grad_allreduce=async_grad_allreduce, plan=plan,
+            sequence_dim=sequence_dim, bucket_numel=bucket_numel, overlap_grad_reduce=overlap_grad_reduce,
+            allow_replicated=allow_replicated,
+        ))
         super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
         self._backward_sync_control = _MainGradSyncControl(self.runtime)
         self._module: Optional[nn.Module] = None
@@ -94,6 +98,11 @@ class TensorParallelStrategy(DDPStrategy):
         if isinstance(precision, FabricAmpPrecision):
             precision._converted_by_strategy = True  # it casts the model after the plan (setup_module)
         self._precision = precision
+
+    @property
+    def config(self) -> TensorParallelConfig:
+        """The validated, frozen tensor-parallel options."""
+        return self.runtime.config
 
     # ------------------------------------------------------------------ sizes and groups
     @property

@@ -1,5 +1,6 @@
 """Tensor parallelism: process groups, comm regions, parallel layers, the plan and (with Lightning) the strategy."""
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
+from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.groups import ParallelGroups, build_groups
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.main_grad import MainGradBuffer, clip_grad_norm_, tp_grad_norm
@@ -11,6 +12,7 @@ __all__ = [
     "ParallelGroups",
     "ParallelMultiheadAttention",
     "RowParallelLinear",
+    "TensorParallelConfig",
     "TensorParallelStrategy",
     "apply_plan",
     "build_groups",

@@ -26,12 +26,13 @@ from torch import nn
 
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from lightning_amp.parallel.between import between_problem
+from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan  # noqa: F401 (re-exported)
 from lightning_amp.parallel.families import HEAD_ATTRS, Unit, find_units, is_conv1d, multihead_attention_unit
 from lightning_amp.parallel.groups import group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs, validate_sequence_dim
 
-KINDS = ("column", "row", "replicate")
+_LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
 _PARALLEL = (ParallelMultiheadAttention, ColumnParallelLinear, RowParallelLinear)
 
 
@@ -51,16 +52,6 @@ class Plan:
 
     units: list[Unit]
     decisions: dict[str, str] = field(default_factory=dict)
-
-
-def validate_plan(plan: Union[str, Mapping[str, str]]) -> None:
-    if plan == "auto":
-        return
-    if not isinstance(plan, Mapping):
-        raise TypeError(f"plan must be 'auto' or a dict {{glob: 'column'|'row'|'replicate'}}, got {plan!r}")
-    for pattern, kind in plan.items():
-        if not isinstance(pattern, str) or kind not in KINDS:
-            raise ValueError(f"plan entry {pattern!r}: {kind!r} must be one of {KINDS}")
 
 
 def _explicit_decisions(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
@@ -231,17 +222,28 @@ def apply_plan(
     sequence_parallel: bool = False,
     sequence_dim: Optional[int] = None,
     allow_replicated: bool = False,
+    *,
+    config: Optional[TensorParallelConfig] = None,
     **linear_kwargs,
 ) -> list[Conversion]:
     """Validate (see :func:`build_plan`), then replace the planned layers of ``module`` in place;
     returns the conversion table.
 
-    ``linear_kwargs`` (``gradient_accumulation_fusion``, ``async_grad_allreduce``, ...) go to every
-    parallel layer. With a TP group of size 1 the layers are still converted (fused wgrad path).
+    ``config``: the options (``plan``, ``sequence_parallel``, ``sequence_dim``, ``allow_replicated`` and the
+    layers' ``gradient_accumulation_fusion`` / ``async_grad_allreduce``); without it they are built from the
+    keywords (``linear_kwargs`` naming those two, the rest going to every parallel layer as before).
+    With a TP group of size 1 the layers are still converted (fused wgrad path).
     ``sequence_parallel``: see :mod:`~lightning_amp.parallel.sequence` (``sequence_dim`` for blocks
     other than ``nn.Transformer*Layer``); a model it cannot handle raises ValueError.
     """
-    validate_sequence_dim(sequence_dim)
+    if config is None:
+        layer_options = {k: linear_kwargs.pop(k) for k in _LAYER_OPTIONS if k in linear_kwargs}
+        config = TensorParallelConfig(plan=plan, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                                      allow_replicated=allow_replicated, **layer_options)
+    plan, sequence_parallel, sequence_dim = config.plan, config.sequence_parallel, config.sequence_dim
+    allow_replicated = config.allow_replicated
+    linear_kwargs = dict(linear_kwargs, gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+                         async_grad_allreduce=config.async_grad_allreduce)
     tp = group_size(group)
     checked = build_plan(module, plan, tp, sequence_parallel, allow_replicated)
     runs, sp_kwargs = [], {}

@@ -1,7 +1,7 @@
 """tp_fused applied to one model, without Lightning: what the Trainer and the Fabric strategies share.
 
-:class:`TensorParallelRuntime` holds the options of ``strategy="tp_fused"`` (validated at
-construction), the TP/DP process groups, the conversion of the model, its fp32 ``main_grad``
+:class:`TensorParallelRuntime` holds the options of ``strategy="tp_fused"`` (a frozen
+:class:`~lightning_amp.parallel.config.TensorParallelConfig`, validated when it was built), the TP/DP process groups, the conversion of the model, its fp32 ``main_grad``
 buffer and the checkpoint layout. A strategy calls, in order:
 
 1. :meth:`~TensorParallelRuntime.validate_sizes` (launch) and :meth:`~TensorParallelRuntime.build_groups`
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any, Generator, Iterable, Mapping, Optional, Union
+from typing import Any, Generator, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,47 +29,20 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
+from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.groups import ParallelGroups, build_groups, validate_sizes
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.main_grad import MainGradBuffer, clip_grad_norm_
-from lightning_amp.parallel.plan import Conversion, apply_plan, gathered_state_dict, load_gathered_state_dict, validate_plan
-from lightning_amp.parallel.sequence import validate_sequence_dim
+from lightning_amp.parallel.plan import Conversion, apply_plan, gathered_state_dict, load_gathered_state_dict
 
 
 class TensorParallelRuntime:
     """The options and state of tp_fused for one model (see the module docstring and
     :class:`lightning_amp.TensorParallelStrategy` for the arguments)."""
 
-    def __init__(
-        self,
-        tensor_parallel_size: Union[int, str] = "auto",
-        sequence_parallel: bool = False,
-        gradient_accumulation_fusion: bool = True,
-        async_grad_allreduce: bool = True,
-        plan: Union[str, Mapping[str, str]] = "auto",
-        sequence_dim: Optional[int] = None,
-        bucket_numel: int = 2**22,
-        overlap_grad_reduce: bool = True,
-        allow_replicated: bool = False,
-    ) -> None:
-        if tensor_parallel_size != "auto" and (
-            not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1
-        ):
-            raise ValueError(f"tensor_parallel_size must be 'auto' or a positive int, got {tensor_parallel_size!r}")
-        for name, value in (("sequence_parallel", sequence_parallel), ("gradient_accumulation_fusion", gradient_accumulation_fusion),
-                            ("async_grad_allreduce", async_grad_allreduce), ("overlap_grad_reduce", overlap_grad_reduce),
-                            ("allow_replicated", allow_replicated)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}")
-        validate_sequence_dim(sequence_dim)
-        if not isinstance(bucket_numel, int) or bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
-        validate_plan(plan)
-        self.tensor_parallel_size_arg = tensor_parallel_size
-        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.gradient_accumulation_fusion, self.async_grad_allreduce = gradient_accumulation_fusion, async_grad_allreduce
-        self.plan, self.bucket_numel = plan, bucket_numel
-        self.overlap_grad_reduce, self.allow_replicated = overlap_grad_reduce, allow_replicated
+    def __init__(self, config: Optional[TensorParallelConfig] = None, **options: Any) -> None:
+        """``config``, or a :class:`TensorParallelConfig` built from ``options`` (its field names)."""
+        self.config = TensorParallelConfig.from_kwargs(config, **options)
         self.groups: Optional[ParallelGroups] = None
         self.grad_buffer: Optional[MainGradBuffer] = None
         self.conversions: list[Conversion] = []
@@ -78,9 +51,7 @@ class TensorParallelRuntime:
     # ------------------------------------------------------------------ sizes and groups
     def tensor_parallel_size(self, devices_per_node: int) -> int:
         """The TP size; ``"auto"`` is every device of a node."""
-        if self.tensor_parallel_size_arg == "auto":
-            return max(devices_per_node, 1)
-        return int(self.tensor_parallel_size_arg)
+        return self.config.tp_size(devices_per_node)
 
     def validate_sizes(self, num_nodes: int, devices_per_node: int) -> None:
         """ValueError unless TP divides the devices per node (and so the world size)."""
@@ -106,23 +77,41 @@ class TensorParallelRuntime:
 
     # ------------------------------------------------------------------ the model
     def convert(self, module: nn.Module, device: torch.device) -> bool:
-        """Convert ``module`` in place unless it holds parallel layers already (an earlier fit: its shards
-        must not be overwritten); returns whether it converted now. Then agree the RNG within the TP group."""
-        assert self.groups is not None, "build_groups first"
-        fresh = not self.converted and not holds_parallel_layers(module)
+        """Steps 1-2 of the setup in one call (see :meth:`needs_conversion`, :meth:`broadcast_from_rank_zero`,
+        :meth:`apply_plan`, :meth:`agree_rng_within_tp_group`); returns whether it converted now."""
+        fresh = self.needs_conversion(module)
         if fresh:
-            _broadcast_from_rank_zero(module)
-            self.conversions = apply_plan(
-                module, self.groups.tp_group, self.plan, sequence_parallel=self.sequence_parallel,
-                sequence_dim=self.sequence_dim, allow_replicated=self.allow_replicated,
-                gradient_accumulation_fusion=self.gradient_accumulation_fusion, async_grad_allreduce=self.async_grad_allreduce,
-            )
-        self.converted = True
-        self._agree_rng_within_tp_group(device)
+            self.broadcast_from_rank_zero(module)
+            self.apply_plan(module)
+        else:
+            self.adopt(module)
+        self.agree_rng_within_tp_group(device)
         return fresh
 
-    def _agree_rng_within_tp_group(self, device: torch.device) -> None:
-        """TP ranks compute replicated regions redundantly: their dropout masks must agree."""
+    def needs_conversion(self, module: nn.Module) -> bool:
+        """False once this runtime converted a module, or when ``module`` holds parallel layers already (an
+        earlier fit: its shards must not be overwritten)."""
+        return not self.converted and not holds_parallel_layers(module)
+
+    def adopt(self, module: nn.Module) -> None:
+        """Use ``module`` as converted already (checkpoints gather its shards)."""
+        self.converted = True
+
+    def broadcast_from_rank_zero(self, module: nn.Module) -> None:
+        """Every rank takes rank 0's params and buffers (collective over the default group)."""
+        _broadcast_from_rank_zero(module)
+
+    def apply_plan(self, module: nn.Module) -> list[Conversion]:
+        """Replace the planned layers of ``module`` in place by parallel ones holding this rank's slices of the
+        existing weights (:func:`~lightning_amp.parallel.plan.apply_plan`); returns the conversion table."""
+        assert self.groups is not None, "build_groups first"
+        self.conversions = apply_plan(module, self.groups.tp_group, config=self.config)
+        self.converted = True
+        return self.conversions
+
+    def agree_rng_within_tp_group(self, device: torch.device) -> None:
+        """TP ranks compute replicated regions redundantly: their dropout masks must agree (the CPU and,
+        on CUDA, ``device``'s generator take the TP group's first rank's state)."""
         if self.groups is None or self.groups.tp_size == 1:
             return
         src = self.groups.tp_src_global_rank
@@ -139,7 +128,7 @@ class TensorParallelRuntime:
         assert self.groups is not None, "build_groups first"
         self.release()
         self.grad_buffer = MainGradBuffer(params, self.groups.dp_group, self.groups.tp_group,
-                                          bucket_numel=self.bucket_numel, overlap=self.overlap_grad_reduce)
+                                          bucket_numel=self.config.bucket_numel, overlap=self.config.overlap_grad_reduce)
         return self.grad_buffer
 
     def release(self) -> None:

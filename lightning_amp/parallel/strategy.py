@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_amp.parallel.plan import format_table
+from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.runtime import TensorParallelRuntime
 from lightning_amp.precision import AmpPrecision
 from lightning_amp.unsupported import refuse_precision_under_tp_fused
@@ -83,12 +84,15 @@ class TensorParallelStrategy(DDPStrategy):
         bucket_numel: int = 2**22,
         overlap_grad_reduce: bool = True,
         allow_replicated: bool = False,
+        config: Optional[TensorParallelConfig] = None,
         **ddp_kwargs: Any,
     ) -> None:
-        self.runtime = TensorParallelRuntime(
-            tensor_parallel_size, sequence_parallel, gradient_accumulation_fusion, async_grad_allreduce, plan,
-            sequence_dim, bucket_numel, overlap_grad_reduce, allow_replicated,
-        )
+        self.runtime = TensorParallelRuntime(TensorParallelConfig.from_kwargs(
+            config, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
+            gradient_accumulation_fusion=gradient_accumulation_fusion, async_grad_allreduce=async_grad_allreduce, plan=plan,
+            sequence_dim=sequence_dim, bucket_numel=bucket_numel, overlap_grad_reduce=overlap_grad_reduce,
+            allow_replicated=allow_replicated,
+        ))
         super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
 
     @property
@@ -100,6 +104,11 @@ class TensorParallelStrategy(DDPStrategy):
         """Refuse plugins that cannot run on converted layers with an fp32 ``main_grad`` (at ``Trainer(...)``)."""
         refuse_precision_under_tp_fused(precision_plugin, Precision, (MixedPrecision, HalfPrecision, AmpPrecision), _USE)
         self._precision_plugin = precision_plugin
+
+    @property
+    def config(self) -> TensorParallelConfig:
+        """The validated, frozen tensor-parallel options."""
+        return self.runtime.config
 
     # ------------------------------------------------------------------ sizes and groups
     @property
