@@ -1,7 +1,8 @@
 """TensorParallelStrategy for Lightning Fabric: ``Fabric(strategy="tp_fused", devices=N)``.
 
 The Trainer strategy of the same name (:class:`lightning_amp.TensorParallelStrategy`) in a
-hand-written Fabric loop; both run :class:`~lightning_amp.parallel.runtime.TensorParallelRuntime`.
+hand-written Fabric loop; both are :class:`~lightning_amp.parallel.strategy_mixin.TensorParallelStrategyMixin`
+(options, sizes, groups, the one model setup, the step's bookkeeping), this file maps Fabric's hooks onto it.
 One process per device as ``"ddp"`` (gloo on CPU, nccl on CUDA); TP groups of
 ``tensor_parallel_size`` consecutive ranks inside a node, DP across them.
 
@@ -36,26 +37,26 @@ import torch
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_amp.fabric.precision import FabricAmpPrecision
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.runtime import TensorParallelRuntime
-from lightning_amp.parallel.strategy import _conversion_report, destroy_group_at_exit
+from lightning_amp.parallel.strategy_mixin import TensorParallelStrategyMixin
 from lightning_amp.unsupported import refuse_precision_under_tp_fused
 
 _USE = ("Fabric's precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or lightning_amp.fabric's "
         "FabricAmpPrecision (e.g. `plugins=[FabricAmpO2Precision()]`)")
 
 
-class TensorParallelStrategy(DDPStrategy):
+class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
     """Tensor parallel x data parallel with fused fp32 weight-gradient accumulation, for Fabric.
 
     Same arguments as the Trainer's :class:`lightning_amp.TensorParallelStrategy` (``tensor_parallel_size``,
     ``sequence_parallel``, ``sequence_dim``, ``gradient_accumulation_fusion``, ``async_grad_allreduce``,
-    ``plan``, ``process_group_backend``, ``bucket_numel``, ``overlap_grad_reduce``, ``allow_replicated``);
+    ``plan``, ``process_group_backend``, ``bucket_numel``, ``overlap_grad_reduce``, ``allow_replicated``, or
+    ``config=TensorParallelConfig(...)`` instead of the options but ``process_group_backend``);
     ``**ddp_kwargs`` go to Fabric's ``DDPStrategy`` (``start_method``, ``timeout``). Registered as
     ``"tp_fused"`` (processes started by re-running the script) and ``"tp_fused_spawn"``.
     """
@@ -75,12 +76,12 @@ class TensorParallelStrategy(DDPStrategy):
         config: Optional[TensorParallelConfig] = None,
         **ddp_kwargs: Any,
     ) -> None:
-        self.runtime = TensorParallelRuntime(TensorParallelConfig.from_kwargs(
+        self._init_tensor_parallel(
             config, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
             gradient_accumulation_fusion=gradient_accumulation_fusion, async_grad_allreduce=async_grad_allreduce, plan=plan,
             sequence_dim=sequence_dim, bucket_numel=bucket_numel, overlap_grad_reduce=overlap_grad_reduce,
             allow_replicated=allow_replicated,
-        ))
+        )
         super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
         self._backward_sync_control = _MainGradSyncControl(self.runtime)
         self._module: Optional[nn.Module] = None
@@ -99,33 +100,11 @@ class TensorParallelStrategy(DDPStrategy):
             precision._converted_by_strategy = True  # it casts the model after the plan (setup_module)
         self._precision = precision
 
-    @property
-    def config(self) -> TensorParallelConfig:
-        """The validated, frozen tensor-parallel options."""
-        return self.runtime.config
-
-    # ------------------------------------------------------------------ sizes and groups
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.runtime.tensor_parallel_size(self.num_processes)
-
-    @property
-    def data_parallel_size(self) -> int:
-        return (self.num_nodes * self.num_processes) // self.tensor_parallel_size
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        return self.runtime.sampler_kwargs(self.num_nodes, self.num_processes, self.global_rank)
-
-    def _configure_launcher(self) -> None:
-        self.runtime.prepare_launch(self.num_nodes, self.num_processes, self.root_device.type)
-        super()._configure_launcher()
-
+    # ------------------------------------------------------------------ groups (sizes, launcher: the mixin)
     def setup_environment(self) -> None:
-        self.runtime.validate_sizes(self.num_nodes, self.num_processes)
+        self._before_process_group()
         super().setup_environment()
-        destroy_group_at_exit()
-        self.runtime.build_groups(self.num_processes)
+        self._after_process_group()
 
     # ------------------------------------------------------------------ setup
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer], scheduler: Optional[Any] = None):
@@ -142,14 +121,14 @@ class TensorParallelStrategy(DDPStrategy):
         if self._module is not None and self._module is not module:
             raise ValueError("strategy='tp_fused' sets up one model per Fabric (its main_grad buffer is reduced at every "
                              "fabric.backward); combine the models into one nn.Module, or use strategy='ddp' for several.")
-        if self.runtime.convert(module, self.root_device):
-            rank_zero_info(_conversion_report(self.runtime, self.data_parallel_size))
-        if isinstance(self.precision, FabricAmpPrecision):
-            self.precision._convert_for_fabric(module)
-        self.module_to_device(module)
-        self.runtime.attach_grad_buffer(module.parameters())
+        self._setup_tensor_parallel(module, self._precision_prepare, self.module_to_device)
         self._module = module
         return module
+
+    def _precision_prepare(self, module: nn.Module) -> None:
+        """Step 3 of the setup: a lightning-amp plugin casts the converted module (Fabric's own plugins need no cast)."""
+        if isinstance(self.precision, FabricAmpPrecision):
+            self.precision._convert_for_fabric(module)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if optimizer not in self._optimizers:
@@ -165,13 +144,6 @@ class TensorParallelStrategy(DDPStrategy):
         self.precision.backward(tensor, module, *args, **kwargs)
         self.runtime.finish_backward()
         self.precision.post_backward(tensor, module)
-
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """The precision plugin's step, then ``main_grad`` and ``p.grad`` of this optimizer's params are
-        cleared (taken or skipped)."""
-        output = super().optimizer_step(optimizer, **kwargs)
-        self.runtime.after_step(optimizer)
-        return output
 
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
@@ -206,11 +178,6 @@ class TensorParallelStrategy(DDPStrategy):
         finally:
             for handle in handles:
                 handle.remove()
-
-    def teardown(self) -> None:
-        """Wait for in-flight all-reduces and detach the buffer's hooks (the groups stay until exit)."""
-        self.runtime.release()
-        super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -8,29 +8,27 @@ strategy (1) broadcasts rank 0's weights, (2) converts the module in place with
 buffer (:class:`~lightning_amp.parallel.main_grad.MainGradBuffer`) whose DP all-reduce replaces
 torch's DDP wrapper. Before the optimizer step ``p.grad`` points at ``main_grad``; after it the
 buffer is zeroed. Checkpoints hold the gathered full weights in the original key layout.
-The machinery is :class:`~lightning_amp.parallel.runtime.TensorParallelRuntime`, shared with the Fabric
-strategy (:mod:`lightning_amp.fabric.strategy`); this file maps the Trainer's hooks onto it and is the
-only file of ``lightning_amp.parallel`` that imports Lightning.
+The machinery is :class:`~lightning_amp.parallel.runtime.TensorParallelRuntime` behind
+:class:`~lightning_amp.parallel.strategy_mixin.TensorParallelStrategyMixin`, shared with the Fabric
+strategy (:mod:`lightning_amp.fabric.strategy`); this file maps the Trainer's hooks onto it. It and
+``strategy_mixin.py`` are the only files of ``lightning_amp.parallel`` that import Lightning.
 """
 from __future__ import annotations
 
-import atexit
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Mapping, Optional, Union
+from typing import Any, Generator, Mapping, Optional, Union
 
-import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_amp.parallel.plan import format_table
 from lightning_amp.parallel.config import TensorParallelConfig
-from lightning_amp.parallel.runtime import TensorParallelRuntime
+from lightning_amp.parallel.strategy_mixin import TensorParallelStrategyMixin, destroy_group_at_exit  # noqa: F401
+from lightning_amp.parallel.strategy_mixin import conversion_report as _conversion_report  # noqa: F401 (old name)
 from lightning_amp.precision import AmpPrecision
 from lightning_amp.unsupported import refuse_precision_under_tp_fused
 
@@ -38,7 +36,7 @@ _USE = ("precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' o
         "(e.g. `plugins=[AmpO2Plugin()]`)")
 
 
-class TensorParallelStrategy(DDPStrategy):
+class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
     """Tensor parallel x data parallel with fused fp32 weight-gradient accumulation.
 
     Args:
@@ -60,6 +58,8 @@ class TensorParallelStrategy(DDPStrategy):
         overlap_grad_reduce: launch each DP bucket's all-reduce during backward when it is complete.
         allow_replicated: when the plan finds nothing to split at ``tensor_parallel_size > 1``, train the
             whole model replicated on every TP rank instead of raising ValueError at setup.
+        config: a :class:`~lightning_amp.parallel.TensorParallelConfig` holding all of the options above
+            but ``process_group_backend`` (then pass none of them as keywords).
         **ddp_kwargs: passed to :class:`DDPStrategy` (e.g. ``start_method="spawn"``, ``timeout``).
 
     On CUDA the launcher sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (inherited by every rank) so that the
@@ -87,12 +87,12 @@ class TensorParallelStrategy(DDPStrategy):
         config: Optional[TensorParallelConfig] = None,
         **ddp_kwargs: Any,
     ) -> None:
-        self.runtime = TensorParallelRuntime(TensorParallelConfig.from_kwargs(
+        self._init_tensor_parallel(
             config, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
             gradient_accumulation_fusion=gradient_accumulation_fusion, async_grad_allreduce=async_grad_allreduce, plan=plan,
             sequence_dim=sequence_dim, bucket_numel=bucket_numel, overlap_grad_reduce=overlap_grad_reduce,
             allow_replicated=allow_replicated,
-        ))
+        )
         super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
 
     @property
@@ -105,46 +105,36 @@ class TensorParallelStrategy(DDPStrategy):
         refuse_precision_under_tp_fused(precision_plugin, Precision, (MixedPrecision, HalfPrecision, AmpPrecision), _USE)
         self._precision_plugin = precision_plugin
 
-    @property
-    def config(self) -> TensorParallelConfig:
-        """The validated, frozen tensor-parallel options."""
-        return self.runtime.config
-
-    # ------------------------------------------------------------------ sizes and groups
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.runtime.tensor_parallel_size(self.num_processes)
-
-    @property
-    def data_parallel_size(self) -> int:
-        return (self.num_nodes * self.num_processes) // self.tensor_parallel_size
-
+    # ------------------------------------------------------------------ launch and groups (sizes: the mixin)
     def _configure_launcher(self) -> None:
-        self.runtime.prepare_launch(self.num_nodes, self.num_processes, self.root_device.type)
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _GatheringMultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_distributed(self) -> None:
-        self.runtime.validate_sizes(self.num_nodes, self.num_processes)
+        self._before_process_group()
         super().setup_distributed()
-        destroy_group_at_exit()
-        self.runtime.build_groups(self.num_processes)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.runtime.sampler_kwargs(self.num_nodes, self.num_processes, self.global_rank)
+        self._after_process_group()
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: "Any") -> None:
+        """Broadcast, plan, the precision plugin's cast, (fitting) the optimizers, ``main_grad``: see
+        :meth:`~lightning_amp.parallel.strategy_mixin.TensorParallelStrategyMixin._setup_tensor_parallel`."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model_to_device()
-        if self.runtime.convert(self.model, self.root_device):
-            rank_zero_info(_conversion_report(self.runtime, self.data_parallel_size))
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._setup_tensor_parallel(self.model, self._precision_prepare, lambda _: self.model_to_device(),
+                                    before_main_grad=lambda: self._setup_optimizers_and_precision(trainer, fitting),
+                                    main_grad=fitting)
+        if fitting:
+            self._patch_gradient_clipping()
+
+    def _precision_prepare(self, _module: Any) -> None:
+        """Step 3 of the setup: the precision plugin casts the converted module."""
+        self.precision_plugin.convert_module(self.model)
+
+    def _setup_optimizers_and_precision(self, trainer: "Any", fitting: bool) -> None:
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -152,8 +142,6 @@ class TensorParallelStrategy(DDPStrategy):
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
-            self.runtime.attach_grad_buffer(self.model.parameters())
-            self._patch_gradient_clipping()
 
     def _patch_gradient_clipping(self) -> None:
         """Norm-based clipping must see the full model's norm: sharded params summed over TP."""
@@ -190,11 +178,6 @@ class TensorParallelStrategy(DDPStrategy):
         with self.runtime.no_sync():
             yield None
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.runtime.after_step(optimizer)
-        return output
-
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights under the original module's keys (collective; every rank gets them)."""
@@ -220,14 +203,6 @@ class TensorParallelStrategy(DDPStrategy):
             optimizer.load_state_dict(self.runtime.shard_optimizer_state(optimizer, opt_state))
             _optimizer_to_device(optimizer, self.root_device)
 
-    def teardown(self) -> None:
-        """Wait for in-flight gradient all-reduces and detach the buffer's hooks. The TP/DP groups stay: the
-        converted layers use them after ``fit`` (the spawn launcher gathers the weights after teardown, a
-        later ``validate`` reuses them); every group is destroyed before the process exits (see the launcher
-        and :func:`destroy_group_at_exit`, called in :meth:`setup_distributed`)."""
-        self.runtime.release()
-        super().teardown()
-
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
@@ -238,19 +213,6 @@ class TensorParallelStrategy(DDPStrategy):
             "tp_fused_spawn", cls, description="tp_fused launched with torch.multiprocessing spawn",
             start_method="spawn", override=True,
         )
-
-
-def _conversion_report(runtime: TensorParallelRuntime, data_parallel_size: int) -> str:
-    return (f"tp_fused: tensor_parallel_size={runtime.groups.tp_size}, data_parallel_size={data_parallel_size}\n"
-            + format_table(runtime.conversions))
-
-
-def destroy_group_at_exit() -> None:
-    """Destroy the process groups at exit for every backend (Lightning registers this for NCCL only; a gloo
-    group left to interpreter finalization can abort a finished worker). Registered once."""
-    if dist.is_initialized() and dist.get_backend() != "nccl":
-        atexit.unregister(_destroy_dist_connection)
-        atexit.register(_destroy_dist_connection)
 
 
 class _GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
