@@ -246,3 +246,52 @@ def test_single_process_layers_are_plain_linear():
     torch.testing.assert_close(col(x), lin(x))
     with pytest.raises(ValueError, match="gather_output"):
         ColumnParallelLinear(4, 4, sequence_parallel=True, gather_output=True)
+
+
+def test_layers_read_their_options_from_the_config_and_warn_on_the_old_keywords():
+    from lightning_amp.parallel import TensorParallelConfig
+
+    config = TensorParallelConfig(gradient_accumulation_fusion=False, async_grad_allreduce=False)
+    col = ColumnParallelLinear(5, 7, config=config)
+    assert col.config is config and not col.gradient_accumulation_fusion and not col.async_grad_allreduce
+    with pytest.warns(DeprecationWarning, match=r"gradient_accumulation_fusion=False.* is deprecated; pass "
+                                                r"config=TensorParallelConfig\(gradient_accumulation_fusion=False\)"):
+        row = RowParallelLinear.from_linear(nn.Linear(5, 4), None, gradient_accumulation_fusion=False)
+    assert not row.gradient_accumulation_fusion and row.async_grad_allreduce
+    with pytest.raises(TypeError, match="config must be a TensorParallelConfig"):
+        ColumnParallelLinear(5, 7, config={"gradient_accumulation_fusion": False})
+    with pytest.raises(TypeError, match="gradient_accumulation_fusion must be a bool"):
+        TensorParallelConfig(gradient_accumulation_fusion="yes")
+
+
+def test_fused_wgrad_tells_the_buffer_through_grad_added_to_main_grad():
+    """Megatron's protocol: the buffer marks its params with grad_added_to_main_grad=False; the fused GEMM adds into
+    main_grad, sets the flag and hands autograd a placeholder, so the buffer's hook runs, skips the add and clears
+    the flag. No per-param callbacks are attached."""
+    from lightning_amp.parallel import MainGradBuffer
+
+    torch.manual_seed(5)
+    ref = nn.Linear(5, 7)
+    col = ColumnParallelLinear.from_linear(ref, None)
+    seen = []  # registered before the buffer's hook, so it runs first
+    col.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad_added_to_main_grad))
+    buffer = MainGradBuffer(col.parameters())
+    assert col.weight.grad_added_to_main_grad is False
+    assert not any(hasattr(col.weight, name) for name in ("_main_grad_target", "_main_grad_ready"))
+    x = torch.randn(3, 5)
+    for _ in range(2):  # accumulates over two backwards
+        col(x).square().sum().backward()
+        ref(x).square().sum().backward()
+    assert seen == [True, True]  # the layer set the flag before the hooks ran (the buffer's hook clears it)
+    assert col.weight.grad_added_to_main_grad is False and col.weight.grad is None
+    torch.testing.assert_close(col.weight.main_grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(col.bias.main_grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+    buffer.finish_sync()
+    buffer.expose_grads()  # the exposed fp32 view is held through the next backward: the placeholder must add 0
+    buffer.reclaim()  # what the strategies call before each backward
+    col(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    buffer.finish_sync()
+    torch.testing.assert_close(col.weight.main_grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    buffer.remove_hooks()
+    assert not hasattr(col.weight, "grad_added_to_main_grad")

@@ -7,6 +7,7 @@ Forward takes MHA's arguments and returns ``(output, None)`` (attention weights 
 materialised). With ``sequence_parallel`` the query (and, unless ``kv_sequence_parallel=False`` as
 for a decoder's cross-attention on a full ``memory``, key/value) arrive split along the sequence
 and the output leaves split along it (Megatron). ``full_state()`` gives the gathered params in MHA's original key layout.
+``**linear_kwargs`` (normally ``config=TensorParallelConfig(...)``) go to the four projections.
 """
 from __future__ import annotations
 

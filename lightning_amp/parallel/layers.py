@@ -7,11 +7,18 @@ Backward of the GEMM (:class:`LinearWithAsyncGradComm`): ``grad_input = grad_out
 first and its collective (all-reduce for a column layer, reduce-scatter under sequence parallelism)
 is launched with ``async_op=True``; the weight gradient is then accumulated *while it is in flight*,
 straight into the fp32 ``weight.main_grad`` by ``ops.wgrad_gemm_accum_fp32`` when
-``gradient_accumulation_fusion`` is on *and* a ``main_grad`` is attached to the weight (the
+``config.gradient_accumulation_fusion`` is on *and* a ``main_grad`` is attached to the weight (the
 "tp_fused" strategy's :class:`~lightning_amp.parallel.main_grad.MainGradBuffer` does; by hand:
-``w.main_grad = torch.zeros_like(w, dtype=torch.float32)``) — autograd then sees no weight grad;
-otherwise (a standalone layer with a plain optimizer) it is returned as an ordinary ``weight.grad``.
-Finally the collective is waited on.
+``w.main_grad = torch.zeros_like(w, dtype=torch.float32)``); otherwise (a standalone layer with a plain
+optimizer) it is returned as an ordinary ``weight.grad``. Finally the collective is waited on.
+
+After a fused accumulation the layer tells the owner of ``main_grad`` as Megatron-LM does: a weight
+that carries the attribute ``grad_added_to_main_grad`` (a :class:`MainGradBuffer` sets it to False on
+its params) gets it set to True and receives a dummy gradient, so that its post-accumulate-grad hook
+runs, skips the add and marks the param ready for the data-parallel all-reduce; a weight without the
+attribute (``main_grad`` attached by hand) receives no gradient. The dummy is zeros when the param still
+holds a ``.grad`` (autograd adds into it in place) or anomaly detection is on, uninitialised memory
+otherwise (the hook drops it unread).
 
 Sharded weights carry ``tensor_model_parallel = True``, ``partition_dim`` (0 column, 1 row) and a
 :class:`ShardLayout` (``shard_layout``) that maps between the shard and the *original* module's tensor
@@ -21,6 +28,7 @@ replicated params whose gradient is partial under sequence parallelism carry ``s
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -29,9 +37,11 @@ from torch import Tensor, nn
 
 from lightning_amp import ops
 from lightning_amp.parallel import comm
+from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.groups import group_rank, group_size
 
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # others (fp64) take the ordinary weight.grad path
+_DEFAULT_CONFIG = TensorParallelConfig()
 
 
 class ShardLayout:
@@ -116,12 +126,12 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
         grad_weight = None
         if weight.requires_grad:
             if ctx.fusion and ctx.dtype in _FUSED_DTYPES and getattr(weight, "main_grad", None) is not None:
-                target = getattr(weight, "_main_grad_target", None)
-                main_grad = target(weight) if target is not None else weight.main_grad
-                ops.wgrad_gemm_accum_fp32(total, grad_output, main_grad)
-                ready = getattr(weight, "_main_grad_ready", None)
-                if ready is not None:
-                    ready(weight)
+                ops.wgrad_gemm_accum_fp32(total, grad_output, weight.main_grad)
+                if hasattr(weight, "grad_added_to_main_grad"):  # a MainGradBuffer's param: its hook must run
+                    weight.grad_added_to_main_grad = True
+                    held = weight.grad is not None or torch.is_anomaly_enabled()  # added in place / checked for NaN
+                    make = torch.zeros if held else torch.empty
+                    grad_weight = make(w.shape, dtype=ctx.weight_dtype, device=w.device)
             else:
                 go2 = grad_output.reshape(-1, grad_output.shape[-1])
                 grad_weight = (go2.t() @ total.reshape(-1, total.shape[-1])).to(ctx.weight_dtype)
@@ -143,6 +153,20 @@ def _validate_common(sequence_parallel: bool, sequence_dim: int) -> None:
         raise TypeError(f"sequence_dim must be an int, got {sequence_dim!r}")
 
 
+def _layer_config(config: Optional[TensorParallelConfig], owner: str, **legacy: Optional[bool]) -> TensorParallelConfig:
+    """``config`` (the default one when None) with the deprecated per-layer keywords that were given applied."""
+    if config is not None and not isinstance(config, TensorParallelConfig):
+        raise TypeError(f"{owner}: config must be a TensorParallelConfig, got {config!r}")
+    config = _DEFAULT_CONFIG if config is None else config
+    given = {name: value for name, value in legacy.items() if value is not None}
+    if not given:
+        return config
+    warnings.warn(f"{owner}({', '.join(f'{k}={v!r}' for k, v in given.items())}) is deprecated; pass "
+                  f"config=TensorParallelConfig({', '.join(f'{k}={v!r}' for k, v in given.items())}) instead",
+                  DeprecationWarning, stacklevel=3)
+    return config.replace(**{name: bool(value) for name, value in given.items()})
+
+
 def _init_full_weight(out_features: int, in_features: int, bias: bool, device, dtype):
     """The full weight/bias initialised like ``nn.Linear`` (so shards do not depend on the TP size)."""
     ref = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -152,16 +176,25 @@ def _init_full_weight(out_features: int, in_features: int, bias: bool, device, d
 class _ParallelLinearBase(nn.Module):
     partition_dim: int
 
-    def __init__(self, group, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, sequence_dim):
+    def __init__(self, group, config: TensorParallelConfig, sequence_parallel: bool, sequence_dim: int) -> None:
         super().__init__()
         _validate_common(sequence_parallel, sequence_dim)
         self.group = group
         self.tp_size = group_size(group)
         self.tp_rank = group_rank(group)
-        self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
-        self.async_grad_allreduce = bool(async_grad_allreduce)
+        self.config = config
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
+
+    @property
+    def gradient_accumulation_fusion(self) -> bool:
+        """``config.gradient_accumulation_fusion``: the weight grad goes into an attached fp32 ``main_grad``."""
+        return self.config.gradient_accumulation_fusion
+
+    @property
+    def async_grad_allreduce(self) -> bool:
+        """``config.async_grad_allreduce``: the input-gradient collective overlaps the weight-gradient GEMM."""
+        return self.config.async_grad_allreduce
 
     def _take_full(self, weight: Tensor, bias: Optional[Tensor], bias_is_sharded: bool,
                    chunks: int = 1, transposed: bool = False) -> None:
@@ -220,6 +253,9 @@ class ColumnParallelLinear(_ParallelLinearBase):
         skip_bias_add: return ``(output, bias)`` without adding the bias (for fusion downstream).
         sequence_parallel: the input is split along ``sequence_dim`` across the TP group and is
             all-gathered before the GEMM; grad_input is reduce-scattered.
+        config: the :class:`~lightning_amp.parallel.TensorParallelConfig` whose ``gradient_accumulation_fusion``
+            and ``async_grad_allreduce`` the layer follows (default: both on). The keywords of those names are
+            deprecated (DeprecationWarning; they override the config's values).
     """
 
     partition_dim = 0
@@ -234,14 +270,17 @@ class ColumnParallelLinear(_ParallelLinearBase):
         skip_bias_add: bool = False,
         sequence_parallel: bool = False,
         sequence_dim: int = 0,
-        gradient_accumulation_fusion: bool = True,
-        async_grad_allreduce: bool = True,
+        gradient_accumulation_fusion: Optional[bool] = None,
+        async_grad_allreduce: Optional[bool] = None,
         device=None,
         dtype=None,
+        config: Optional[TensorParallelConfig] = None,
         _full: Optional[tuple] = None,
         _layout: tuple = (1, False),
     ) -> None:
-        super().__init__(group, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, sequence_dim)
+        config = _layer_config(config, "ColumnParallelLinear", gradient_accumulation_fusion=gradient_accumulation_fusion,
+                               async_grad_allreduce=async_grad_allreduce)
+        super().__init__(group, config, sequence_parallel, sequence_dim)
         if out_features % (self.tp_size * _layout[0]) != 0:
             raise ValueError(
                 f"ColumnParallelLinear: out_features={out_features} is not divisible by the tensor-parallel size {self.tp_size}"
@@ -300,6 +339,7 @@ class RowParallelLinear(_ParallelLinearBase):
             output with ``gather_output=False``); else it is scattered here.
         skip_bias_add: return ``(output, bias)`` without adding the bias.
         sequence_parallel: the output is reduce-scattered along ``sequence_dim`` instead of all-reduced.
+        config: as for :class:`ColumnParallelLinear`.
     """
 
     partition_dim = 1
@@ -314,14 +354,17 @@ class RowParallelLinear(_ParallelLinearBase):
         skip_bias_add: bool = False,
         sequence_parallel: bool = False,
         sequence_dim: int = 0,
-        gradient_accumulation_fusion: bool = True,
-        async_grad_allreduce: bool = True,
+        gradient_accumulation_fusion: Optional[bool] = None,
+        async_grad_allreduce: Optional[bool] = None,
         device=None,
         dtype=None,
+        config: Optional[TensorParallelConfig] = None,
         _full: Optional[tuple] = None,
         _transposed: bool = False,
     ) -> None:
-        super().__init__(group, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, sequence_dim)
+        config = _layer_config(config, "RowParallelLinear", gradient_accumulation_fusion=gradient_accumulation_fusion,
+                               async_grad_allreduce=async_grad_allreduce)
+        super().__init__(group, config, sequence_parallel, sequence_dim)
         if in_features % self.tp_size != 0:
             raise ValueError(
                 f"RowParallelLinear: in_features={in_features} is not divisible by the tensor-parallel size {self.tp_size}"

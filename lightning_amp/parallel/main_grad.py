@@ -3,9 +3,11 @@
 Contract:
 
 * Every trainable param ``p`` gets ``p.main_grad``: an fp32 view of shape ``p.shape`` into one
-  flat buffer (apex ``combine_grad``). Parallel Linear weights accumulate into it directly
-  (fused wgrad GEMM); every other param's ``p.grad`` is added to it by a post-accumulate-grad
-  hook, which then frees ``p.grad``. Accumulation over micro-batches is therefore in fp32.
+  flat buffer (apex ``combine_grad``), and ``p.grad_added_to_main_grad = False`` (Megatron-LM's flag).
+  Parallel Linear weights accumulate into ``main_grad`` directly (fused wgrad GEMM), set the flag and
+  hand autograd a dummy gradient; every param's post-accumulate-grad hook then adds ``p.grad`` to
+  ``main_grad`` unless the flag is set (it clears it), frees ``p.grad`` and marks ``p`` ready.
+  Accumulation over micro-batches is therefore in fp32.
 * :meth:`MainGradBuffer.finish_sync` (after the last micro-batch's backward) averages the buffer
   over the DP group in buckets (apex ``combine_ddp``), then sums the grads of params marked
   ``sequence_parallel`` over the TP group (the two commute). With ``overlap=True`` a bucket's
@@ -13,7 +15,9 @@ Contract:
   (sequence-parallel params included); gradients that arrive for an already-launched bucket (a
   param whose grad hook fires again in the same round: a second ``backward()`` before the step,
   reentrant activation checkpointing) go to a side buffer that is reduced at the end, so the result
-  is exact either way.
+  is exact either way. While a bucket's all-reduce is in flight its params' ``main_grad`` is None
+  (a parallel layer then returns an ordinary weight gradient, which the hook puts in the side buffer);
+  it is back when the round ends (:meth:`finish_sync`, :meth:`zero`, :meth:`remove_hooks`).
 * :meth:`expose_grads` sets ``p.grad`` to ``p.main_grad`` (fp32 params: the view itself; 16-bit
   params: a cast copy) so any torch optimizer and gradient clipping work; :meth:`zero` clears
   ``main_grad`` and ``p.grad`` of the params it is given (an optimizer's, after its step; all by default).
@@ -81,12 +85,12 @@ class MainGradBuffer:
         self.sync_enabled = True
         self._exposed: list[tuple[nn.Parameter, Tensor, int]] = []  # (param, grad exposed, its version)
         self._held: set[int] = set()  # params whose exposed fp32 view autograd accumulates into in place
+        self._views = {id(p): p.main_grad for p in unique}  # main_grad of each param in the flat buffer
+        self._hidden: list[nn.Parameter] = []  # params whose main_grad is None while their bucket is in flight
         self._reset_round()
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate_hook) for p in unique]
         for p in unique:
-            # used by the fused wgrad path of parallel layers (see layers.py)
-            p._main_grad_target = self._target
-            p._main_grad_ready = self._mark_ready
+            p.grad_added_to_main_grad = False  # set by the fused wgrad path of parallel layers (see layers.py)
 
     def _close_bucket(self, start: int, end: int, members: list) -> None:
         index = len(self.buckets)
@@ -95,6 +99,7 @@ class MainGradBuffer:
             self._bucket_of[id(p)] = index
 
     def _reset_round(self) -> None:
+        self._restore_views()
         self._pending = [len(m) for _, _, m in self.buckets]
         self._reported: set[int] = set()
         self._works: list = [None] * len(self.buckets)
@@ -105,29 +110,33 @@ class MainGradBuffer:
         grad = p.grad
         if grad is None:
             return
+        added = p.grad_added_to_main_grad  # a parallel layer's fused GEMM added it already (grad is a dummy)
+        p.grad_added_to_main_grad = False
         if id(p) in self._held:  # autograd accumulated into the exposed main_grad view (see reclaim)
             self._held.discard(id(p))
-            if grad is not p.main_grad:  # out of place (create_graph): old + new
-                p.main_grad.copy_(grad)
-        else:
-            self._add(p, grad)
+            if grad is not self._views[id(p)] and not added:  # out of place (create_graph): old + new
+                self._views[id(p)].copy_(grad)
+        elif not added:
+            self._target(p).add_(grad)
         p.grad = None
         self._mark_ready(p)
 
-    def _add(self, p: nn.Parameter, grad: Tensor) -> None:
-        self._target(p).add_(grad)
-
     def _target(self, p: nn.Parameter) -> Tensor:
-        """Where a new gradient of ``p`` must be accumulated: ``p.main_grad``, or its slot in the side
+        """Where a new gradient of ``p`` must be accumulated: its ``main_grad`` view, or its slot in the side
         buffer when ``p``'s bucket is already being all-reduced (a param used twice in one backward)."""
-        bucket = self._bucket_of[id(p)]
-        if self._works[bucket] is None:
-            return p.main_grad
+        if self._works[self._bucket_of[id(p)]] is None:
+            return self._views[id(p)]
         if self._late is None:
             self._late = torch.zeros_like(self.buffer)
         self._has_late = True
         off = self._offset_of[id(p)]
         return self._late[off:off + p.numel()].view(p.shape)
+
+    def _restore_views(self) -> None:
+        """Every ``main_grad`` back on its view of the flat buffer (see :meth:`_mark_ready`)."""
+        for p in self._hidden:
+            p.main_grad = self._views[id(p)]
+        self._hidden = []
 
     def _mark_ready(self, p: nn.Parameter) -> None:
         if not (self.overlap and self.sync_enabled) or id(p) in self._reported:
@@ -136,8 +145,11 @@ class MainGradBuffer:
         bucket = self._bucket_of[id(p)]
         self._pending[bucket] -= 1
         if self._pending[bucket] == 0:
-            start, end, _ = self.buckets[bucket]
+            start, end, members = self.buckets[bucket]
             self._works[bucket] = dist.all_reduce(self.buffer[start:end], group=self.dp_group, async_op=True)
+            for member in members:  # no fused GEMM may write into it now: late grads go through the hook
+                member.main_grad = None
+            self._hidden += members
 
     # ---------------------------------------------------------------- reduction
     def finish_sync(self) -> None:
@@ -153,6 +165,7 @@ class MainGradBuffer:
                     self._works[i] = dist.all_reduce(self.buffer[start:end], group=self.dp_group, async_op=True)
             for work in self._works:
                 work.wait()
+            self._restore_views()
             if self.overlap:
                 flag = torch.tensor([1.0 if self._has_late else 0.0], device=self.buffer.device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -224,9 +237,8 @@ class MainGradBuffer:
             h.remove()
         self._handles = []
         for p in self.params:
-            for name in ("_main_grad_ready", "_main_grad_target"):
-                if hasattr(p, name):
-                    delattr(p, name)
+            if hasattr(p, "grad_added_to_main_grad"):
+                delattr(p, "grad_added_to_main_grad")
 
 
 def tp_grad_norm(params: Iterable[nn.Parameter], tp_group: Any = None, norm_type: float = 2.0) -> Tensor:

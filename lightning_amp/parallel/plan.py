@@ -242,8 +242,7 @@ def apply_plan(
                                       allow_replicated=allow_replicated, **layer_options)
     plan, sequence_parallel, sequence_dim = config.plan, config.sequence_parallel, config.sequence_dim
     allow_replicated = config.allow_replicated
-    linear_kwargs = dict(linear_kwargs, gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-                         async_grad_allreduce=config.async_grad_allreduce)
+    linear_kwargs = dict(linear_kwargs, config=config)  # the layers read their options from it
     tp = group_size(group)
     checked = build_plan(module, plan, tp, sequence_parallel, allow_replicated)
     runs, sp_kwargs = [], {}
