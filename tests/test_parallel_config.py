@@ -54,3 +54,23 @@ def test_strategies_take_a_config_or_the_keywords_not_both():
             cls(config=config, bucket_numel=7)
         with pytest.raises(TypeError, match="config must be a TensorParallelConfig"):
             cls(config={"tensor_parallel_size": 2})
+
+
+def test_full_state_dict_on_call_is_scoped_and_reentrant():
+    """The spawn launcher's gather: inside the context module.state_dict() is the runtime's full state (here, one
+    process and an unconverted module: the plain state), nested calls do not recurse, and the hook is gone after."""
+    import torch
+    from torch import nn
+
+    from lightning_amp.parallel.runtime import TensorParallelRuntime
+
+    runtime, module = TensorParallelRuntime(), nn.Linear(3, 2)
+    calls = []
+    original = runtime.full_state_dict
+    runtime.full_state_dict = lambda m: calls.append(m) or {k: v * 0 for k, v in original(m).items()}
+    with runtime.full_state_dict_on_call(module):
+        state = module.state_dict()
+    assert calls == [module] and all(torch.equal(v, torch.zeros_like(v)) for v in state.values())
+    assert set(state) == {"weight", "bias"}
+    assert torch.equal(module.state_dict()["weight"], module.weight) and calls == [module]  # hook removed
+    assert "state_dict" not in vars(module)  # the bound method is never swapped

@@ -181,6 +181,32 @@ class TensorParallelRuntime:
         state = gathered_state_dict(module)
         return {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in state.items()}
 
+    @contextmanager
+    def full_state_dict_on_call(self, module: nn.Module) -> Generator[None, None, None]:
+        """Inside, ``module.state_dict()`` returns :meth:`full_state_dict` (a collective: every rank must call it),
+        for code that calls ``state_dict()`` itself (Lightning's spawn launcher after ``fit``). A state-dict
+        post-hook, registered for the duration only, replaces the sharded entries; nested calls (the gather
+        reads the sharded state first) are left alone."""
+        busy = False
+
+        def gather(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+            nonlocal busy
+            if busy or prefix:  # the gather's own state_dict() call, or module used as a submodule
+                return
+            busy = True
+            try:
+                full = self.full_state_dict(mod)
+            finally:
+                busy = False
+            state.clear()
+            state.update(full)
+
+        handle = module.register_state_dict_post_hook(gather)
+        try:
+            yield
+        finally:
+            handle.remove()
+
     def load_full_state_dict(self, module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> None:
         """Load a full (original-layout) state, each rank taking its slice."""
         if not self.converted:

@@ -229,22 +229,9 @@ class _GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
         _destroy_dist_connection()  # every group; after a failure the process dies anyway, destroying could block
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
-        module = trainer.lightning_module
-        original = module.state_dict
-        strategy = self._strategy
-
-        def gathered(*args: Any, **kwargs: Any) -> dict:
-            module.state_dict = original
-            try:
-                return strategy.lightning_module_state_dict()  # collective on all ranks
-            finally:
-                module.state_dict = gathered
-
-        module.state_dict = gathered
-        try:
+        """Lightning's, whose ``lightning_module.state_dict()`` call (on every rank) returns the gathered weights."""
+        with self._strategy.runtime.full_state_dict_on_call(trainer.lightning_module):
             return super()._collect_rank_zero_results(trainer, results)
-        finally:
-            module.state_dict = original
 
 
 TensorParallelStrategy.register_strategies(StrategyRegistry)
