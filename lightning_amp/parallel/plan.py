@@ -30,7 +30,7 @@ from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_
 from lightning_amp.parallel.families import HEAD_ATTRS, Unit, find_units, is_conv1d, multihead_attention_unit
 from lightning_amp.parallel.groups import group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_amp.parallel.sequence import install_boundaries, plan_runs, validate_sequence_dim
+from lightning_amp.parallel.sequence import install_boundaries, plan_runs
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
 _PARALLEL = (ParallelMultiheadAttention, ColumnParallelLinear, RowParallelLinear)
