@@ -52,13 +52,13 @@ from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER, AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.levels import (AmpProperties, DtypeName, NormPolicyName, OptLevelName, OutputDtypeName,
-                                      check_scaler_keywords, resolve_properties)
+                                      resolve_properties)
 from lightning_amp.amp.master import optimizer_params
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook, prepare_o2_module_
 from lightning_amp.amp.o2_policy import PolicyHold, hold as hold_o2_policy
 from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.release import release_module_
-from lightning_amp.amp.scaler import LossScaler
+from lightning_amp.amp.scaler import SCALER_DEFAULTS, LossScaler, check_scaler_keywords
 from lightning_amp.amp.step import OptimizerStep
 from lightning_amp.unsupported import refuse_strategy
 
@@ -120,13 +120,13 @@ class AmpPrecision(Precision):
         cast_model_outputs: Optional[Union[OutputDtypeName, torch.dtype]] = None,
         half_buffers: Optional[bool] = None,
         norm_policy: Optional[NormPolicyName] = None,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        min_loss_scale: Optional[float] = None,
-        max_loss_scale: float = 2.0**24,
+        init_scale: float = SCALER_DEFAULTS["init_scale"],
+        growth_factor: float = SCALER_DEFAULTS["growth_factor"],
+        backoff_factor: float = SCALER_DEFAULTS["backoff_factor"],
+        growth_interval: int = SCALER_DEFAULTS["growth_interval"],
+        hysteresis: int = SCALER_DEFAULTS["hysteresis"],
+        min_loss_scale: Optional[float] = SCALER_DEFAULTS["min_loss_scale"],
+        max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"],
         combine_grad: bool = False,
         fused_update: bool = True,
     ) -> None:

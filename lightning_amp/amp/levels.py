@@ -20,7 +20,7 @@ Decisions where apex left room:
   an explicit ``loss_scale`` (a number or "dynamic") is honoured.
 * Dynamic-scaler keywords (``init_scale``, ``growth_factor``, ...) with a static scale do nothing:
   with an explicit numeric ``loss_scale`` that is a contradiction and raises; when the static scale
-  is the level's or bfloat16's default, :func:`check_scaler_keywords` warns (a dtype "auto" resolves
+  is the level's or bfloat16's default, :func:`~lightning_amp.amp.scaler.check_scaler_keywords` warns (a dtype "auto" resolves
   per device, so portable code may meet either).
 * apex's own examples pass ``loss_scale`` and ``keep_batchnorm_fp32`` from argparse, as strings; the
   strings apex took mean what they meant there: "dynamic", a number ("128.0"), "True" and "False"
@@ -36,11 +36,10 @@ Decisions where apex left room:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Literal, Mapping, Optional, Union
+from typing import Literal, Mapping, Optional, Union
 
 import torch
 
@@ -307,29 +306,3 @@ def resolve_properties(
         half_buffers=(level.cast_model and not masters) if half_buffers is None else half_buffers,
         norm_policy=level.norm_policy if policy is None else policy,
     )
-
-
-def check_scaler_keywords(properties: AmpProperties, loss_scale: Optional[LossScaleSpec],
-                          scaler_kwargs: Mapping[str, Any], warn: Callable[[str], Any]) -> None:
-    """Refuse or flag dynamic-scaler keywords that a static scale would silently ignore.
-
-    ``scaler_kwargs`` are the :class:`~lightning_amp.amp.scaler.LossScaler` keywords as given; those
-    that differ from its defaults count as given. With a dynamic scale nothing happens. With an explicit
-    numeric ``loss_scale`` they raise ValueError naming them; with the level's or bfloat16's default
-    static scale ``warn`` is called with a message naming them and ``loss_scale="dynamic"``.
-    """
-    if properties.dynamic_loss_scale:
-        return
-    from lightning_amp.amp.scaler import LossScaler  # scaler.py imports this module
-
-    defaults = inspect.signature(LossScaler).parameters
-    given = sorted(name for name, value in scaler_kwargs.items() if value != defaults[name].default)
-    if not given:
-        return
-    names = ", ".join(f"`{name}`" for name in given)
-    if loss_scale is not None:
-        raise ValueError(f"{names} configure the dynamic loss scale, but `loss_scale={loss_scale!r}` is static; "
-                         'pass loss_scale="dynamic" or leave them out')
-    why = "bfloat16 needs no scaling" if properties.dtype == torch.bfloat16 else f"the {properties.opt_level} default"
-    warn(f"{names}: no effect, the loss scale is a fixed {properties.loss_scale} ({why}); "
-         'pass loss_scale="dynamic" to use them')
