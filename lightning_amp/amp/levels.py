@@ -116,6 +116,15 @@ NORM_POLICIES = ("half", "fp32")
 
 LEVEL_DEFAULTS: Mapping[str, AmpProperties] = MappingProxyType({"O0": O0, "O1": O1, "O2": O2, "O3": O3})
 
+LEVEL_SUMMARIES: Mapping[str, str] = MappingProxyType({
+    "O0": "fp32 everything (a baseline; non-finite grads are still skipped).",
+    "O1": "fp32 model, forward under autocast plus the cast lists, dynamic loss scale (fp16).",
+    "O2": "fp32 params, forward under autocast with norms, softmax and activations kept half (BatchNorm fp32), "
+          "fp32 grads and update, dynamic loss scale (fp16).",
+    "O3": "pure half (optionally BatchNorm fp32 with keep_batchnorm_fp32=True), static scale 1.0.",
+})
+"""One line per level, for the documentation of the per-level plugin classes."""
+
 
 # The names each argument takes, as annotations (built from the tables above): LightningCLI (jsonargparse)
 # checks them when it parses a config or a command line, so a bad value is a usage error there, not a

@@ -92,7 +92,7 @@ class TensorParallelStrategy(DDPStrategy):
         """Refuse plugins that cannot run on converted layers with an fp32 ``main_grad`` (at ``Fabric(...)``)."""
         refuse_precision_under_tp_fused(precision, Precision, (MixedPrecision, HalfPrecision, FabricAmpPrecision), _USE)
         if isinstance(precision, FabricAmpPrecision):
-            precision._converted_by_strategy = True  # it casts the model after the plan (setup_module)
+            precision.prepared_by_strategy = True  # the model is prepared after the plan (setup_module)
         self._precision = precision
 
     # ------------------------------------------------------------------ sizes and groups
@@ -136,7 +136,7 @@ class TensorParallelStrategy(DDPStrategy):
         if self.runtime.convert(module, self.root_device):
             rank_zero_info(_conversion_report(self.runtime, self.data_parallel_size))
         if isinstance(self.precision, FabricAmpPrecision):
-            self.precision._convert_for_fabric(module)
+            self.precision.prepare(module)
         self.module_to_device(module)
         self.runtime.attach_grad_buffer(module.parameters())
         self._module = module
