@@ -1,4 +1,8 @@
-"""AmpPrecision and AmpO0Plugin..AmpO3Plugin: the thin Lightning adapter over ``lightning_amp.amp``.
+"""AmpPrecision and AmpO0Plugin..AmpO3Plugin: the thin Lightning Trainer adapter over ``lightning_amp.amp``.
+
+The plugin is a Trainer ``Precision`` (Lightning's ``Precision(FabricPrecision, CheckpointHooks)``) whose
+hooks call the :class:`~lightning_amp.amp.runtime.AmpRuntime` it holds as ``plugin.amp``; its options and
+read-only properties are :class:`~lightning_amp.plugin_base.AmpPluginBase`'s, shared with the Fabric plugin.
 
 Hook order: ``convert_module`` (cast the model in place; under master weights (O2) the params stay
 fp32, :func:`~lightning_amp.amp.module_cast.prepare_o2_module_`, and O2's op policy is registered

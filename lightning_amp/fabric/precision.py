@@ -1,8 +1,8 @@
 """FabricAmpPrecision and FabricAmpO0Precision..FabricAmpO3Precision: the same mixed precision for Lightning Fabric.
 
-``Fabric(plugins=[FabricAmpO2Precision()])``: the options, the forward and the step are those of the
-Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
-:class:`~lightning_amp.amp.engine.AmpEngine`); this file only maps Fabric's hooks onto the engine.
+``Fabric(plugins=[FabricAmpO2Precision()])``: a Fabric ``Precision`` with the options of the Trainer plugins
+(:class:`~lightning_amp.plugin_base.AmpPluginBase`) holding the same runtime
+(:class:`~lightning_amp.amp.runtime.AmpRuntime`, ``plugin.amp``); this file only maps Fabric's hooks onto it.
 
 * ``convert_module`` (in ``fabric.setup``) casts the model in place as the Trainer plugin does (O2:
   the Parameters stay fp32 and forward runs under autocast with O2's op policy,
@@ -21,8 +21,8 @@ Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
 * Checkpoints: the module's ``state_dict()`` holds its fp32 params, and the optimizer's
   ``state_dict()`` carries its loss scaler (``param_groups[0]["lightning_amp"]``), so
   ``fabric.save(path, {"model": model, "optimizer": optimizer})`` / ``fabric.load`` resume exactly.
-* Strategies: under ``strategy="tp_fused"`` (:mod:`lightning_amp.fabric.strategy`) the strategy casts the
-  model after converting its layers; under DeepSpeed, ``fabric.setup`` raises TypeError before anything
+* Strategies: under ``strategy="tp_fused"`` (:mod:`lightning_amp.fabric.strategy`) the strategy sets
+  ``prepared_by_strategy`` and calls :meth:`FabricAmpPrecision.prepare` after converting the model's layers; under DeepSpeed, ``fabric.setup`` raises TypeError before anything
   is cast (:mod:`lightning_amp.unsupported`).
 * LR schedulers: Fabric does not see them; call :func:`~lightning_amp.amp.gate.make_scheduler_skip_aware`
   on a per-step scheduler so that it does not advance on skipped steps.
