@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER
 from lightning_amp.amp.gate import make_scheduler_skip_aware
-from lightning_amp.amp.master import optimizer_params
+from lightning_amp.amp.param_views import optimizer_params
 from lightning_amp.amp.runtime import named_params
 from lightning_amp.plugin_base import AmpPluginBase, level_classes, plugin_name
 from lightning_amp.unsupported import refuse_strategy
@@ -94,7 +94,7 @@ class AmpPrecision(AmpPluginBase, Precision):
         self.amp.resolve_for(trainer.strategy.root_device.type)
         refuse_strategy(self, trainer.strategy)
         self.amp.prepare(module, fsdp2=isinstance(trainer.strategy, ModelParallelStrategy))
-        if self.properties.cast_model and not self.properties.master_weights:
+        if self.properties.cast_model and not self.properties.fp32_params:
             for sub in module.modules():  # Lightning's own record of the module's dtype
                 if isinstance(sub, _DeviceDtypeModuleMixin):
                     sub._dtype = self.properties.dtype
@@ -195,7 +195,7 @@ class AmpPrecision(AmpPluginBase, Precision):
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         """Under master weights the checkpoint's params are already the fp32 Parameters; its half buffers
         are upcast to fp32 there, so it loads into a plain fp32 model as it is."""
-        if not self.properties.master_weights:
+        if not self.properties.fp32_params:
             return
         model_state = checkpoint.get("state_dict")
         if not isinstance(model_state, dict):

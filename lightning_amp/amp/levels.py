@@ -4,13 +4,17 @@ Level defaults (apex's table, plus two O2 options of lightning-amp; ``dtype`` is
 the level computes in):
 
 ======  ==========  ========  ===================  ==============  ==========  ==================  ============  ===========
-level   cast_model  autocast  keep_batchnorm_fp32  master_weights  loss_scale  cast_model_outputs  half_buffers  norm_policy
+level   cast_model  autocast  keep_batchnorm_fp32  fp32_params     loss_scale  cast_model_outputs  half_buffers  norm_policy
 ======  ==========  ========  ===================  ==============  ==========  ==================  ============  ===========
 O0      False       False     False                False           1.0         None                False         None
 O1      False       True      False                False           "dynamic"   None                False         None
 O2      True        True      True                 True            "dynamic"   torch.float32       False         "half"
 O3      True        False     False                False           1.0         None                True          None
 ======  ==========  ========  ===================  ==============  ==========  ==================  ============  ===========
+
+``fp32_params`` is what apex's ``master_weights`` keyword sets (the keyword keeps apex's name): with a cast
+model, the module's own params stay fp32 and are what the optimizer steps; there is no separate master
+copy (unlike ``FusedAdam(master_weights=True)``, which keeps an fp32 copy of each half param in its state).
 
 Decisions where apex left room:
 
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, Mapping, Optional, Union
@@ -70,12 +75,13 @@ class AmpProperties:
 
     opt_level: "O0".."O3". dtype: the half dtype computed in (torch.float32 for O0).
     cast_model: the model computes in ``dtype`` inside forward (O2, O3); its params are cast to ``dtype``
-    in place unless ``master_weights``.
+    in place unless ``fp32_params``.
     autocast: forward runs under ``torch.autocast(dtype)`` (O1 with the registered cast lists; O2 with
     its ``norm_policy``, see :mod:`lightning_amp.amp.forward`).
     keep_batchnorm_fp32: BatchNorm layers keep fp32 params and statistics and compute in fp32.
-    master_weights: with ``cast_model``, the params stay fp32 (what the optimizer steps, what
-    checkpoints hold, what ``module.weight`` is) and autocast gives forward their half copies.
+    fp32_params: with ``cast_model``, the module's params stay fp32 (what the optimizer steps, what
+    checkpoints hold, what ``module.weight`` is) and autocast gives forward their half copies; set by
+    apex's ``master_weights`` keyword (no separate master copy exists).
     loss_scale: a positive static scale, or "dynamic". cast_model_outputs: dtype the model's
     floating outputs are cast to, or None to leave them alone.
     half_buffers: the model's floating buffers are stored in ``dtype`` (else they keep the dtype the
@@ -90,11 +96,18 @@ class AmpProperties:
     cast_model: bool
     autocast: bool
     keep_batchnorm_fp32: bool
-    master_weights: bool
+    fp32_params: bool
     loss_scale: LossScaleSpec
     cast_model_outputs: Optional[torch.dtype]
     half_buffers: bool = False
     norm_policy: Optional[str] = None
+
+    @property
+    def master_weights(self) -> bool:
+        """Deprecated: :attr:`fp32_params` (the module's own params stay fp32; no master copy exists)."""
+        warnings.warn("AmpProperties.master_weights is deprecated: use AmpProperties.fp32_params (the module's own "
+                      "params stay fp32; there is no separate master copy)", DeprecationWarning, stacklevel=2)
+        return self.fp32_params
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -281,7 +294,7 @@ def resolve_properties(
                 f"`half_buffers` must be None with opt_level {level.opt_level}: the model is not cast, so its "
                 f"buffers keep their dtype (got {half_buffers!r}). It applies to O2 (and O3, where it is True)."
             )
-    masters = level.master_weights if master_weights is None else master_weights
+    masters = level.fp32_params if master_weights is None else master_weights
     keep_bn = level.keep_batchnorm_fp32 if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
     if policy == "fp32" and masters and not keep_bn:
         raise ValueError(
@@ -310,7 +323,7 @@ def resolve_properties(
         dtype=half,
         loss_scale=scale,
         keep_batchnorm_fp32=keep_bn,
-        master_weights=masters,
+        fp32_params=masters,
         cast_model_outputs=level.cast_model_outputs if output_dtype is None else output_dtype,
         half_buffers=(level.cast_model and not masters) if half_buffers is None else half_buffers,
         norm_policy=level.norm_policy if policy is None else policy,

@@ -139,7 +139,7 @@ class AmpRuntime:
         self._fsdp2_checked = fsdp2
         if props.opt_level == "O0":
             cast_module_(module, torch.float32)
-        elif props.cast_model and props.master_weights:
+        elif props.cast_model and props.fp32_params:
             if fsdp2:
                 fsdp2_half_compute_(module, props.dtype, props.keep_batchnorm_fp32)  # refuses half params first
             prepare_o2_module_(module, props.dtype, props.keep_batchnorm_fp32, props.half_buffers)
@@ -205,7 +205,7 @@ class AmpRuntime:
         all-gathers the fp32 shards as half params from now on (:mod:`lightning_amp.amp.fsdp2`)."""
         self._fsdp2_checked = True
         props, module = self.properties, self.module
-        if module is not None and props.cast_model and props.master_weights and is_fsdp2(module):
+        if module is not None and props.cast_model and props.fp32_params and is_fsdp2(module):
             fsdp2_half_compute_(module, props.dtype, props.keep_batchnorm_fp32)
 
     def scale_loss(self, loss: Tensor) -> Tensor:

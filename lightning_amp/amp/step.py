@@ -41,7 +41,7 @@ from lightning_amp.amp.flat import FlatGradBuffer
 from lightning_amp.amp.gate import StepGate
 from lightning_amp.amp.grad_kinds import check_and_unscale_, check_finite, real_values
 from lightning_amp.amp.kernel_step import KernelStep, supports
-from lightning_amp.amp.master import optimizer_grads, optimizer_params
+from lightning_amp.amp.param_views import optimizer_grads, optimizer_params
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.amp.scaling_protocol import creates_state_only_on_clean_steps, unscales_in_step
 from lightning_amp.ops import local_shards
