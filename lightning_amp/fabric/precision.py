@@ -15,7 +15,7 @@
   ``optimizer.step()`` or ``fabric.clip_gradients``). Until then backwards run at scale 1.
 * ``convert_output``: floating outputs become fp32, as Fabric's own ``bf16-mixed``/``bf16-true`` make them.
 * ``backward`` multiplies the loss by the scale (Fabric drops what ``pre_backward`` returns).
-* ``optimizer.step()`` runs :meth:`AmpEngine.step`: unscale, agree on inf/nan across ranks, step or
+* ``optimizer.step()`` runs :meth:`AmpRuntime.step`: unscale, agree on inf/nan across ranks, step or
   skip on the device. ``fabric.clip_gradients`` unscales first and clips the fp32 grads the optimizer
   steps on; with dynamic loss scaling pass ``error_if_nonfinite=False`` (overflowing steps are skipped).
 * Checkpoints: the module's ``state_dict()`` holds its fp32 params, and the optimizer's
