@@ -9,6 +9,7 @@ from lightning_amp.amp.casts import (  # noqa: E402
     register_half_function,
     register_promote_function,
 )
+from lightning_amp.amp.runtime import AmpRuntime  # noqa: E402
 from lightning_amp.amp.scaler import LossScaler  # noqa: E402
 from lightning_amp.optimizers import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD  # noqa: E402
 from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -131,12 +132,22 @@ def test_trainer_plugin_in_fabric_names_the_fabric_class():
     assert model.weight.dtype == torch.float32  # refused before anything was cast
 
 
-def test_fabric_plugin_in_trainer_names_the_trainer_class():
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, plugins=[FabricAmpO2Precision()], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+def test_fabric_plugin_in_trainer_is_refused_at_construction():
+    """The Fabric plugin is a Fabric ``Precision`` (not a Trainer one): the Trainer refuses it when it is
+    built, naming it, before any model is seen."""
     model = BoringModel()
+    with pytest.raises(MisconfigurationException, match=r"invalid type for plugin FabricAmpO2Precision\(opt_level='O2'"):
+        L.Trainer(accelerator="cpu", devices=1, max_steps=1, plugins=[FabricAmpO2Precision()], logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert model.layer.weight.dtype == torch.float32
+
+
+def test_fabric_plugin_given_a_trainer_module_names_the_trainer_class():
+    """Handed a Trainer's module anyway (a strategy calling it directly), it names the Trainer plugin."""
+    model = BoringModel()
+    model._trainer = object()
     with pytest.raises(TypeError, match=r"FabricAmpO2Precision is a Lightning Fabric plugin.*lightning_amp\.AmpO2Plugin"):
-        trainer.fit(model)
+        FabricAmpO2Precision().convert_module(model)
     assert model.layer.weight.dtype == torch.float32
 
 

@@ -183,7 +183,7 @@ def test_deepspeed_with_our_fabric_plugin_is_refused_before_anything_is_cast():
     with pytest.raises(TypeError, match=r"FabricAmpO2Precision\(opt_level='O2'.*cannot run under DeepSpeed \(_FabricDeepSpeed\).*"
                                         r"strategy='deepspeed', precision='bf16-mixed'"):
         fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert fabric.strategy.precision._o2_policy is None and o2_policy.installs() == 0
+    assert not fabric.strategy.precision.amp.holds_policy and o2_policy.installs() == 0
     assert model.weight.dtype == torch.float32
 
 
@@ -195,7 +195,7 @@ def test_deepspeed_with_our_trainer_plugin_is_refused_before_anything_is_cast():
     with pytest.raises(TypeError, match=r"AmpO2Plugin\(opt_level='O2'.*cannot run under DeepSpeed \(_TrainerDeepSpeed\).*"
                                         r"'tp_fused' or ModelParallelStrategy"):
         trainer.fit(model)
-    assert trainer.precision_plugin._o2_policy is None and o2_policy.installs() == 0
+    assert not trainer.precision_plugin.amp.holds_policy and o2_policy.installs() == 0
     assert model.layer.weight.dtype == torch.float32
 
 

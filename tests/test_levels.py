@@ -210,3 +210,13 @@ def test_o2_options_half_buffers_and_norm_policy():
 def test_o2_options_refuse_bad_values_and_contradictions(level, kwargs, match):
     with pytest.raises(ValueError, match=match):
         resolve_properties(level, dtype="bf16", **kwargs)
+
+
+def test_fp32_params_is_what_apexs_master_weights_keyword_sets():
+    """``fp32_params`` names the layout (the module's own params stay fp32); ``master_weights`` is apex's keyword
+    for it and, read from the record, a deprecated alias."""
+    assert resolve_properties("O2", dtype="fp16").fp32_params is True
+    assert resolve_properties("O2", dtype="fp16", master_weights=False).fp32_params is False
+    props = resolve_properties("O2", dtype="fp16")
+    with pytest.warns(DeprecationWarning, match="use AmpProperties.fp32_params"):
+        assert props.master_weights is True

@@ -1,9 +1,9 @@
-"""lightning_amp.amp.master and amp.module_cast: optimizer grad views and in-place model casts, no Lightning."""
+"""lightning_amp.amp.param_views and amp.module_cast: optimizer grad views and in-place model casts, no Lightning."""
 import pytest
 import torch
 from torch import nn
 
-from lightning_amp.amp.master import optimizer_grads
+from lightning_amp.amp.param_views import optimizer_grads
 from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook
 
 HALVES = [torch.float16, torch.bfloat16]
@@ -66,3 +66,15 @@ def test_cast_floating_and_output_hook():
 def test_cast_module_rejects_non_modules():
     with pytest.raises(TypeError, match="module"):
         cast_module_(torch.randn(3), torch.float16)
+
+
+def test_former_module_name_still_imports_with_a_deprecation_warning():
+    import importlib
+    import sys
+
+    sys.modules.pop("lightning_amp.amp.master", None)
+    with pytest.warns(DeprecationWarning, match="lightning_amp.amp.param_views"):
+        master = importlib.import_module("lightning_amp.amp.master")
+    from lightning_amp.amp import param_views
+
+    assert master.optimizer_grads is param_views.optimizer_grads and master.param_name is param_views.param_name

@@ -308,7 +308,7 @@ def test_late_flag_reports_the_params_of_its_own_step():
     seen = []
     with simulate_device_lag(3):
         plugin = AmpO2Plugin(dtype="float16", init_scale=2.0**10)
-        engine, original = plugin._engine, plugin._engine._on_skip
+        engine, original = plugin.amp.engine, plugin.amp.engine._on_skip
         engine._on_skip = lambda state, report: (seen.append((state.scaler.steps, report)), original(state, report))
         _fit(TwoFaults(scheduler=False), plugin, steps=6)
     assert [steps for steps, _ in seen] == [5, 6]  # landed 3 steps late
@@ -653,7 +653,7 @@ def test_combine_grad_keeps_grads_in_one_flat_buffer_with_identical_results(leve
 
     class Probe(L.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            flat = trainer.precision_plugin._states[0].flat
+            flat = trainer.precision_plugin.amp.engine.states[0].flat
             seen.append(flat.views_intact() and all(p.grad.dtype == torch.float32 for p in main_params(optimizer)))
 
     plain = _fit(Classifier(inject_at=(2,)), AmpPrecision(level, dtype=dtype), steps=4, accumulate_grad_batches=2,

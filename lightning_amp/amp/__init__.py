@@ -12,12 +12,14 @@ from lightning_amp.amp.casts import (
     unregister_function,
 )
 from lightning_amp.amp.levels import LEVEL_DEFAULTS, OPT_LEVELS, AmpProperties, resolve_dtype, resolve_properties
+from lightning_amp.amp.runtime import AmpRuntime
 from lightning_amp.amp.scaler import LossScaler
 
 __all__ = [
     "LEVEL_DEFAULTS",
     "OPT_LEVELS",
     "AmpProperties",
+    "AmpRuntime",
     "LossScaler",
     "UnsafeHalfOpError",
     "active_cast",

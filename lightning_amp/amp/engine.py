@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from lightning_amp.amp.levels import AmpProperties
-from lightning_amp.amp.master import optimizer_grads, param_name
+from lightning_amp.amp.param_views import optimizer_grads, param_name
 from lightning_amp.amp.scaler import LossScaler
-from lightning_amp.amp.step import OptimizerStep, SkipReport, agree, unscales_in_step
+from lightning_amp.amp.scaling_protocol import unscales_in_step
+from lightning_amp.amp.step import OptimizerStep, SkipReport, agree
 
 log = logging.getLogger(__name__)
 

@@ -4,13 +4,17 @@ Level defaults (apex's table, plus two O2 options of lightning-amp; ``dtype`` is
 the level computes in):
 
 ======  ==========  ========  ===================  ==============  ==========  ==================  ============  ===========
-level   cast_model  autocast  keep_batchnorm_fp32  master_weights  loss_scale  cast_model_outputs  half_buffers  norm_policy
+level   cast_model  autocast  keep_batchnorm_fp32  fp32_params     loss_scale  cast_model_outputs  half_buffers  norm_policy
 ======  ==========  ========  ===================  ==============  ==========  ==================  ============  ===========
 O0      False       False     False                False           1.0         None                False         None
 O1      False       True      False                False           "dynamic"   None                False         None
 O2      True        True      True                 True            "dynamic"   torch.float32       False         "half"
 O3      True        False     False                False           1.0         None                True          None
 ======  ==========  ========  ===================  ==============  ==========  ==================  ============  ===========
+
+``fp32_params`` is what apex's ``master_weights`` keyword sets (the keyword keeps apex's name): with a cast
+model, the module's own params stay fp32 and are what the optimizer steps; there is no separate master
+copy (unlike ``FusedAdam(master_weights=True)``, which keeps an fp32 copy of each half param in its state).
 
 Decisions where apex left room:
 
@@ -20,7 +24,7 @@ Decisions where apex left room:
   an explicit ``loss_scale`` (a number or "dynamic") is honoured.
 * Dynamic-scaler keywords (``init_scale``, ``growth_factor``, ...) with a static scale do nothing:
   with an explicit numeric ``loss_scale`` that is a contradiction and raises; when the static scale
-  is the level's or bfloat16's default, :func:`check_scaler_keywords` warns (a dtype "auto" resolves
+  is the level's or bfloat16's default, :func:`~lightning_amp.amp.scaler.check_scaler_keywords` warns (a dtype "auto" resolves
   per device, so portable code may meet either).
 * apex's own examples pass ``loss_scale`` and ``keep_batchnorm_fp32`` from argparse, as strings; the
   strings apex took mean what they meant there: "dynamic", a number ("128.0"), "True" and "False"
@@ -36,11 +40,11 @@ Decisions where apex left room:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
+import warnings
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Literal, Mapping, Optional, Union
+from typing import Literal, Mapping, Optional, Union
 
 import torch
 
@@ -71,12 +75,13 @@ class AmpProperties:
 
     opt_level: "O0".."O3". dtype: the half dtype computed in (torch.float32 for O0).
     cast_model: the model computes in ``dtype`` inside forward (O2, O3); its params are cast to ``dtype``
-    in place unless ``master_weights``.
+    in place unless ``fp32_params``.
     autocast: forward runs under ``torch.autocast(dtype)`` (O1 with the registered cast lists; O2 with
     its ``norm_policy``, see :mod:`lightning_amp.amp.forward`).
     keep_batchnorm_fp32: BatchNorm layers keep fp32 params and statistics and compute in fp32.
-    master_weights: with ``cast_model``, the params stay fp32 (what the optimizer steps, what
-    checkpoints hold, what ``module.weight`` is) and autocast gives forward their half copies.
+    fp32_params: with ``cast_model``, the module's params stay fp32 (what the optimizer steps, what
+    checkpoints hold, what ``module.weight`` is) and autocast gives forward their half copies; set by
+    apex's ``master_weights`` keyword (no separate master copy exists).
     loss_scale: a positive static scale, or "dynamic". cast_model_outputs: dtype the model's
     floating outputs are cast to, or None to leave them alone.
     half_buffers: the model's floating buffers are stored in ``dtype`` (else they keep the dtype the
@@ -91,11 +96,18 @@ class AmpProperties:
     cast_model: bool
     autocast: bool
     keep_batchnorm_fp32: bool
-    master_weights: bool
+    fp32_params: bool
     loss_scale: LossScaleSpec
     cast_model_outputs: Optional[torch.dtype]
     half_buffers: bool = False
     norm_policy: Optional[str] = None
+
+    @property
+    def master_weights(self) -> bool:
+        """Deprecated: :attr:`fp32_params` (the module's own params stay fp32; no master copy exists)."""
+        warnings.warn("AmpProperties.master_weights is deprecated: use AmpProperties.fp32_params (the module's own "
+                      "params stay fp32; there is no separate master copy)", DeprecationWarning, stacklevel=2)
+        return self.fp32_params
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -116,6 +128,15 @@ O3 = AmpProperties("O3", torch.float16, True, False, False, False, 1.0, None, ha
 NORM_POLICIES = ("half", "fp32")
 
 LEVEL_DEFAULTS: Mapping[str, AmpProperties] = MappingProxyType({"O0": O0, "O1": O1, "O2": O2, "O3": O3})
+
+LEVEL_SUMMARIES: Mapping[str, str] = MappingProxyType({
+    "O0": "fp32 everything (a baseline; non-finite grads are still skipped).",
+    "O1": "fp32 model, forward under autocast plus the cast lists, dynamic loss scale (fp16).",
+    "O2": "fp32 params, forward under autocast with norms, softmax and activations kept half (BatchNorm fp32), "
+          "fp32 grads and update, dynamic loss scale (fp16).",
+    "O3": "pure half (optionally BatchNorm fp32 with keep_batchnorm_fp32=True), static scale 1.0.",
+})
+"""One line per level, for the documentation of the per-level plugin classes."""
 
 
 # The names each argument takes, as annotations (built from the tables above): LightningCLI (jsonargparse)
@@ -273,7 +294,7 @@ def resolve_properties(
                 f"`half_buffers` must be None with opt_level {level.opt_level}: the model is not cast, so its "
                 f"buffers keep their dtype (got {half_buffers!r}). It applies to O2 (and O3, where it is True)."
             )
-    masters = level.master_weights if master_weights is None else master_weights
+    masters = level.fp32_params if master_weights is None else master_weights
     keep_bn = level.keep_batchnorm_fp32 if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
     if policy == "fp32" and masters and not keep_bn:
         raise ValueError(
@@ -302,34 +323,8 @@ def resolve_properties(
         dtype=half,
         loss_scale=scale,
         keep_batchnorm_fp32=keep_bn,
-        master_weights=masters,
+        fp32_params=masters,
         cast_model_outputs=level.cast_model_outputs if output_dtype is None else output_dtype,
         half_buffers=(level.cast_model and not masters) if half_buffers is None else half_buffers,
         norm_policy=level.norm_policy if policy is None else policy,
     )
-
-
-def check_scaler_keywords(properties: AmpProperties, loss_scale: Optional[LossScaleSpec],
-                          scaler_kwargs: Mapping[str, Any], warn: Callable[[str], Any]) -> None:
-    """Refuse or flag dynamic-scaler keywords that a static scale would silently ignore.
-
-    ``scaler_kwargs`` are the :class:`~lightning_amp.amp.scaler.LossScaler` keywords as given; those
-    that differ from its defaults count as given. With a dynamic scale nothing happens. With an explicit
-    numeric ``loss_scale`` they raise ValueError naming them; with the level's or bfloat16's default
-    static scale ``warn`` is called with a message naming them and ``loss_scale="dynamic"``.
-    """
-    if properties.dynamic_loss_scale:
-        return
-    from lightning_amp.amp.scaler import LossScaler  # scaler.py imports this module
-
-    defaults = inspect.signature(LossScaler).parameters
-    given = sorted(name for name, value in scaler_kwargs.items() if value != defaults[name].default)
-    if not given:
-        return
-    names = ", ".join(f"`{name}`" for name in given)
-    if loss_scale is not None:
-        raise ValueError(f"{names} configure the dynamic loss scale, but `loss_scale={loss_scale!r}` is static; "
-                         'pass loss_scale="dynamic" or leave them out')
-    why = "bfloat16 needs no scaling" if properties.dtype == torch.bfloat16 else f"the {properties.opt_level} default"
-    warn(f"{names}: no effect, the loss scale is a fixed {properties.loss_scale} ({why}); "
-         'pass loss_scale="dynamic" to use them')

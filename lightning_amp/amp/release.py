@@ -36,7 +36,7 @@ def release_module_(module: nn.Module, props: AmpProperties) -> nn.Module:
     """Hand ``module`` (prepared for the level ``props``) back as a plain module (module docstring); in
     place, returns it."""
     remove_cast_hooks_(module)
-    if props.cast_model and props.master_weights:
+    if props.cast_model and props.fp32_params:
         for sub in outside_metrics(module):
             stored_half = (not props.keep_batchnorm_fp32) if isinstance(sub, _BatchNorm) else props.half_buffers
             if not stored_half:

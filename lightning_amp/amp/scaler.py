@@ -31,14 +31,23 @@ on another device); a static scale ignores the bounds and
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Union
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
-from lightning_amp.amp.levels import check_loss_scale
+from lightning_amp.amp.levels import AmpProperties, LossScaleSpec, check_loss_scale
 
 DEFAULT_MIN_LOSS_SCALE = 1.0
+"""The floor of a dynamic scale when ``min_loss_scale`` is None."""
+
+SCALER_DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
+    init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, hysteresis=1,
+    min_loss_scale=None, max_loss_scale=2.0**24,
+))
+"""The dynamic :class:`LossScaler` keywords and their defaults: the one place they are written (the
+plugins' signatures and :func:`check_scaler_keywords` read them from here)."""
 
 
 def _positive_finite(value: object, name: str) -> float:
@@ -72,13 +81,13 @@ class LossScaler:
     def __init__(
         self,
         loss_scale: Union[float, str] = "dynamic",
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        min_loss_scale: Optional[float] = None,
-        max_loss_scale: float = 2.0**24,
+        init_scale: float = SCALER_DEFAULTS["init_scale"],
+        growth_factor: float = SCALER_DEFAULTS["growth_factor"],
+        backoff_factor: float = SCALER_DEFAULTS["backoff_factor"],
+        growth_interval: int = SCALER_DEFAULTS["growth_interval"],
+        hysteresis: int = SCALER_DEFAULTS["hysteresis"],
+        min_loss_scale: Optional[float] = SCALER_DEFAULTS["min_loss_scale"],
+        max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"],
     ) -> None:
         spec = check_loss_scale(loss_scale)
         init_scale = _positive_finite(init_scale, "init_scale")
@@ -235,3 +244,26 @@ class LossScaler:
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
         return f"LossScaler({kind}, scale={self.scale}, overflows_in_a_row={self.overflows_in_a_row})"
+
+
+def check_scaler_keywords(properties: AmpProperties, loss_scale: Optional[LossScaleSpec],
+                          scaler_kwargs: Mapping[str, Any], warn: Callable[[str], Any]) -> None:
+    """Refuse or flag dynamic-scaler keywords that a static scale would silently ignore.
+
+    ``scaler_kwargs`` are the :class:`LossScaler` keywords as given; those that differ from
+    :data:`SCALER_DEFAULTS` count as given. With a dynamic scale nothing happens. With an explicit
+    numeric ``loss_scale`` they raise ValueError naming them; with the level's or bfloat16's default
+    static scale ``warn`` is called with a message naming them and ``loss_scale="dynamic"``.
+    """
+    if properties.dynamic_loss_scale:
+        return
+    given = sorted(name for name, value in scaler_kwargs.items() if value != SCALER_DEFAULTS[name])
+    if not given:
+        return
+    names = ", ".join(f"`{name}`" for name in given)
+    if loss_scale is not None:
+        raise ValueError(f"{names} configure the dynamic loss scale, but `loss_scale={loss_scale!r}` is static; "
+                         'pass loss_scale="dynamic" or leave them out')
+    why = "bfloat16 needs no scaling" if properties.dtype == torch.bfloat16 else f"the {properties.opt_level} default"
+    warn(f"{names}: no effect, the loss scale is a fixed {properties.loss_scale} ({why}); "
+         'pass loss_scale="dynamic" to use them')

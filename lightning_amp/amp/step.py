@@ -41,17 +41,12 @@ from lightning_amp.amp.flat import FlatGradBuffer
 from lightning_amp.amp.gate import StepGate
 from lightning_amp.amp.grad_kinds import check_and_unscale_, check_finite, real_values
 from lightning_amp.amp.kernel_step import KernelStep, supports
-from lightning_amp.amp.master import optimizer_grads, optimizer_params
+from lightning_amp.amp.param_views import optimizer_grads, optimizer_params
 from lightning_amp.amp.scaler import LossScaler
+from lightning_amp.amp.scaling_protocol import creates_state_only_on_clean_steps, unscales_in_step
 from lightning_amp.ops import local_shards
-from lightning_amp.optimizers.base import FusedOptimizer
 
 Factor = Union[float, Tensor]
-
-
-def unscales_in_step(optimizer: torch.optim.Optimizer) -> bool:
-    """The optimizer divides by ``grad_scale`` and honours ``found_inf`` inside its own step."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def agree(found_inf: Tensor, group: Any = None) -> Tensor:
@@ -179,8 +174,8 @@ class OptimizerStep:
 
     def _state_incomplete(self) -> bool:
         """A protocol optimizer that is not ours may create state on a skipped first step."""
-        if isinstance(self.optimizer, FusedOptimizer):
-            return False  # reads the flag itself before creating state
+        if creates_state_only_on_clean_steps(self.optimizer):
+            return False
         return len(self.optimizer.state) < sum(len(g["params"]) for g in self.optimizer.param_groups)
 
     @torch.no_grad()

@@ -140,8 +140,8 @@ STEPPED_BY = {"kernel": "lightning-amp kernels", "protocol": "optimizer, in-kern
 def stepped_by(trainer: L.Trainer) -> str:
     """Who ran the update: lightning-amp's kernels (a plain torch Adam/AdamW/SGD under the plugin), the
     optimizer with in-kernel unscaling (FusedAdam, ``fused=True``), or the optimizer's own ``step()``."""
-    engine = getattr(trainer.precision_plugin, "_engine", None)  # lightning-amp's plugins only
-    states = engine.states if engine is not None else []
+    amp = getattr(trainer.precision_plugin, "amp", None)  # lightning-amp's plugins only
+    states = amp.engine.states if amp is not None else []
     return STEPPED_BY[states[0].driver] if states else STEPPED_BY["host"]
 
 

@@ -1,8 +1,8 @@
 """FabricAmpPrecision and FabricAmpO0Precision..FabricAmpO3Precision: the same mixed precision for Lightning Fabric.
 
-``Fabric(plugins=[FabricAmpO2Precision()])``: the options, the forward and the step are those of the
-Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
-:class:`~lightning_amp.amp.engine.AmpEngine`); this file only maps Fabric's hooks onto the engine.
+``Fabric(plugins=[FabricAmpO2Precision()])``: a Fabric ``Precision`` with the options of the Trainer plugins
+(:class:`~lightning_amp.plugin_base.AmpPluginBase`) holding the same runtime
+(:class:`~lightning_amp.amp.runtime.AmpRuntime`, ``plugin.amp``); this file only maps Fabric's hooks onto it.
 
 * ``convert_module`` (in ``fabric.setup``) casts the model in place as the Trainer plugin does (O2:
   the Parameters stay fp32 and forward runs under autocast with O2's op policy,
@@ -15,14 +15,14 @@ Trainer plugins (:class:`lightning_amp.precision.AmpPrecision`, one
   ``optimizer.step()`` or ``fabric.clip_gradients``). Until then backwards run at scale 1.
 * ``convert_output``: floating outputs become fp32, as Fabric's own ``bf16-mixed``/``bf16-true`` make them.
 * ``backward`` multiplies the loss by the scale (Fabric drops what ``pre_backward`` returns).
-* ``optimizer.step()`` runs :meth:`AmpEngine.step`: unscale, agree on inf/nan across ranks, step or
+* ``optimizer.step()`` runs :meth:`AmpRuntime.step`: unscale, agree on inf/nan across ranks, step or
   skip on the device. ``fabric.clip_gradients`` unscales first and clips the fp32 grads the optimizer
   steps on; with dynamic loss scaling pass ``error_if_nonfinite=False`` (overflowing steps are skipped).
 * Checkpoints: the module's ``state_dict()`` holds its fp32 params, and the optimizer's
   ``state_dict()`` carries its loss scaler (``param_groups[0]["lightning_amp"]``), so
   ``fabric.save(path, {"model": model, "optimizer": optimizer})`` / ``fabric.load`` resume exactly.
-* Strategies: under ``strategy="tp_fused"`` (:mod:`lightning_amp.fabric.strategy`) the strategy casts the
-  model after converting its layers; under DeepSpeed, ``fabric.setup`` raises TypeError before anything
+* Strategies: under ``strategy="tp_fused"`` (:mod:`lightning_amp.fabric.strategy`) the strategy sets
+  ``prepared_by_strategy`` and calls :meth:`FabricAmpPrecision.prepare` after converting the model's layers; under DeepSpeed, ``fabric.setup`` raises TypeError before anything
   is cast (:mod:`lightning_amp.unsupported`).
 * LR schedulers: Fabric does not see them; call :func:`~lightning_amp.amp.gate.make_scheduler_skip_aware`
   on a per-step scheduler so that it does not advance on skipped steps.
@@ -32,78 +32,73 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from typing import Any, Dict, Generator, List, Optional
+from typing import Any, Dict, Generator, Optional
 
 import torch
+from lightning.fabric.plugins.precision import Precision
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from torch.utils._pytree import tree_leaves
 
-from lightning_amp.amp.forward import uses_o2_policy
 from lightning_amp.amp.module_cast import cast_floating
-from lightning_amp.amp.o2_policy import held as held_o2_policy
+from lightning_amp.amp.runtime import named_params
 from lightning_amp.amp.step import OptimizerStep
-from lightning_amp.precision import AmpPrecision as _TrainerAmpPrecision
-from lightning_amp.precision import _casts_batch, _no_opt_level
+from lightning_amp.plugin_base import AmpPluginBase, level_classes, plugin_name
 from lightning_amp.unsupported import refuse_strategy
 
 _STATE_KEY = "lightning_amp"  # where an optimizer's state_dict carries its scaler (in param_groups[0])
-_TRAINER_NAMES = {"FabricAmpPrecision": "AmpPrecision", "FabricAmpO0Precision": "AmpO0Plugin",
-                  "FabricAmpO1Precision": "AmpO1Plugin", "FabricAmpO2Precision": "AmpO2Plugin",
-                  "FabricAmpO3Precision": "AmpO3Plugin"}
 
 
-class FabricAmpPrecision(_TrainerAmpPrecision):
+class FabricAmpPrecision(AmpPluginBase, Precision):
     """Apex-style mixed precision (opt levels O0-O3) as a Lightning Fabric precision plugin.
 
     Same arguments and properties (``loss_scale``, ``skipped_steps``, ``last_nonfinite_params``, ...) as
-    :class:`lightning_amp.AmpPrecision`; see the module docstring for how Fabric's hooks map onto it.
+    :class:`lightning_amp.AmpPrecision` (:class:`~lightning_amp.plugin_base.AmpPluginBase`); see the module
+    docstring for how Fabric's hooks map onto its :class:`~lightning_amp.amp.runtime.AmpRuntime` (``self.amp``).
     Given to a ``Trainer`` it raises TypeError naming the Trainer plugin to use.
     """
 
+    kind = "fabric"
+
+    #: True while a strategy that converts the model's layers first (``tp_fused``) has taken the model's
+    #: preparation over: ``convert_module`` then leaves the model alone and the strategy calls :meth:`prepare`
+    prepared_by_strategy = False
+
     # ---- setup -------------------------------------------------------------------------
 
-    _converted_by_strategy = False  # set by the tp_fused strategy, which casts after planning (setup_module)
-
     def convert_module(self, module: Module) -> Module:
-        """Cast ``module`` in place, as the Trainer plugin does (see the module docstring); under
-        ``strategy="tp_fused"`` the strategy does it after converting the layers."""
+        """Cast ``module`` in place (:meth:`prepare`); under ``strategy="tp_fused"`` the strategy does it
+        after converting the layers."""
         if getattr(module, "_trainer", None) is not None:
-            name = _TRAINER_NAMES.get(type(self).__name__, "AmpPrecision")
+            name = plugin_name("trainer", self.fixed_opt_level)
             raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
                             f"lightning_amp.{name}(...): `Trainer(plugins=[{name}()])`.")
         refuse_strategy(self, _calling_fabric_strategy())
-        if not self._converted_by_strategy:
-            self._convert_for_fabric(module)
+        if not self.prepared_by_strategy:
+            self.prepare(module)
         return module
 
-    def _convert_for_fabric(self, module: Module) -> None:
-        self._convert_module(module)
-        names: Dict[Tensor, List[str]] = {}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            names.setdefault(param, []).append(name)
-        self._engine.connect([], names)
-
-    def _hold_o2_policy_for_the_run(self) -> None:
-        pass  # Fabric has no end of run: see _o2_policy_per_forward
-
-    def _o2_policy_per_forward(self) -> contextlib.AbstractContextManager:
-        return held_o2_policy() if uses_o2_policy(self._properties) else contextlib.nullcontext()
+    def prepare(self, module: Module) -> Module:
+        """Cast ``module`` in place for the level (:meth:`AmpRuntime.prepare`; O2's op policy is held per
+        forward context, Fabric having no end of run) and learn its param names for messages."""
+        self.amp.prepare(module, hold_policy=False)
+        self.amp.connect([], named_params(module))
+        return module
 
     def connect(self, *args: Any, **kwargs: Any) -> Any:
         """A Trainer hook: this plugin is for Fabric."""
         raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
-                        f"lightning_amp.{_TRAINER_NAMES.get(type(self).__name__, 'AmpPrecision')}(...).")
+                        f"lightning_amp.{plugin_name('trainer', self.fixed_opt_level)}(...).")
 
     def _state(self, optimizer: Optimizer) -> OptimizerStep:
-        """The engine's state of ``optimizer``, connecting it the first time (see the module docstring)."""
+        """The runtime's step of ``optimizer``, connecting it the first time (see the module docstring)."""
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a _FabricOptimizer wraps the real one
-        for state in self._engine.states:
+        for state in self.amp.engine.states:
             if state.optimizer is optimizer:
                 return state
         saved = optimizer.param_groups[0].pop(_STATE_KEY, None) if optimizer.param_groups else None
-        state = self._engine.add_optimizer(optimizer)
+        state = self.amp.engine.add_optimizer(optimizer)
         if saved is not None:
             self._restore(state, saved)
         optimizer.register_state_dict_post_hook(self._scaler_into_optimizer_state)
@@ -112,48 +107,46 @@ class FabricAmpPrecision(_TrainerAmpPrecision):
 
     # ---- the step ----------------------------------------------------------------------
 
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """The level's forward (:func:`lightning_amp.amp.forward.forward_context`), O2's op policy held for it."""
+        return self.amp.forward_context()
+
     def convert_input(self, data: Any) -> Any:
         """O3: floating tensors become the half dtype, saturating at its range (an fp32 ``finfo.min``
         mask stays finite); the autocast device follows the batch's."""
         tensor = next((t for t in tree_leaves(data) if isinstance(t, Tensor)), None)
-        if tensor is not None and tensor.device.type != self._device_type:
-            self._device_type = tensor.device.type
-        return cast_floating(data, self._properties.dtype, saturating=True) if _casts_batch(self._properties) else data
+        if tensor is not None:
+            self.amp.device_type = tensor.device.type
+        return self.amp.convert_input(data)
 
     def convert_output(self, data: Any) -> Any:
         """Floating outputs become torch's default dtype (fp32), as under every Fabric precision but
         ``32-true``: the loss a loop computes from them is fp32 at O1 as under ``bf16-mixed``, at O3 as
         under ``bf16-true`` (O2 casts them already). An explicit ``cast_model_outputs`` is kept."""
-        if self._request["cast_model_outputs"] is not None:
+        if self.amp.request["cast_model_outputs"] is not None:
             return data
         return cast_floating(data, torch.get_default_dtype())
 
-    def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Any:  # type: ignore[override]
-        return None  # Fabric drops what this returns: the loss is scaled in backward()
-
-    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """Backward of the loss times the current loss scale (recomputed forwards see the level's dtypes)."""
-        with self._recompute_context():
-            self._scaled(tensor).backward(*args, **kwargs)
+        with self.amp.backward_context():
+            self.amp.scale_loss(tensor).backward(*args, **kwargs)
 
-    def post_backward(self, tensor: Tensor, module: Optional[Module]) -> Any:  # type: ignore[override]
-        return tensor  # the grads are on the module's own (fp32) params already
-
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """``optimizer.step()``: unscale, agree on inf/nan across ranks, step or skip on the device."""
         state = self._state(optimizer)
         if isinstance(state.optimizer, LBFGS):  # allowed only without scaling: needs its closure
             return state.optimizer.step(**kwargs)
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
-        self._engine.step(state.optimizer, lambda: None, grads_read=False, **kwargs)
+        self.amp.step(state.optimizer, **kwargs)
         return result
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Divide ``optimizer``'s grads by their loss scale now (``fabric.clip_gradients`` calls this first)."""
         self._state(optimizer).unscale()
 
-    def main_params(self, optimizer: Optimizer) -> Generator[Tensor, None, None]:  # type: ignore[override]
+    def main_params(self, optimizer: Optimizer) -> Generator[Tensor, None, None]:
         """The params ``optimizer`` steps on (the module's own params at every level)."""
         for group in self._state(optimizer).optimizer.param_groups:
             yield from group["params"]
@@ -195,37 +188,11 @@ def _calling_fabric_strategy() -> Optional[Any]:
     return None
 
 
-class FabricAmpO0Precision(FabricAmpPrecision):
-    """Apex O0 for Fabric: fp32 everything (non-finite grads are still skipped)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        _no_opt_level(kwargs, "FabricAmpO0Precision")
-        super().__init__(opt_level="O0", **kwargs)
-
-
-class FabricAmpO1Precision(FabricAmpPrecision):
-    """Apex O1 for Fabric: fp32 model, forward under autocast plus the cast lists."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        _no_opt_level(kwargs, "FabricAmpO1Precision")
-        super().__init__(opt_level="O1", **kwargs)
-
-
-class FabricAmpO2Precision(FabricAmpPrecision):
-    """Apex O2 for Fabric: fp32 params, forward under autocast with half norms (BatchNorm fp32), fp32 update."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        _no_opt_level(kwargs, "FabricAmpO2Precision")
-        super().__init__(opt_level="O2", **kwargs)
-
-
-class FabricAmpO3Precision(FabricAmpPrecision):
-    """Apex O3 for Fabric: pure half."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        _no_opt_level(kwargs, "FabricAmpO3Precision")
-        super().__init__(opt_level="O3", **kwargs)
-
+level_classes(FabricAmpPrecision, globals())  # FabricAmpO0Precision .. FabricAmpO3Precision
+FabricAmpO0Precision: type[FabricAmpPrecision]
+FabricAmpO1Precision: type[FabricAmpPrecision]
+FabricAmpO2Precision: type[FabricAmpPrecision]
+FabricAmpO3Precision: type[FabricAmpPrecision]
 
 
 _DEPRECATED_NAMES = {"AmpPrecision": FabricAmpPrecision, "AmpO0Precision": FabricAmpO0Precision,

@@ -97,7 +97,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
         """Refuse plugins that cannot run on converted layers with an fp32 ``main_grad`` (at ``Fabric(...)``)."""
         refuse_precision_under_tp_fused(precision, Precision, (MixedPrecision, HalfPrecision, FabricAmpPrecision), _USE)
         if isinstance(precision, FabricAmpPrecision):
-            precision._converted_by_strategy = True  # it casts the model after the plan (setup_module)
+            precision.prepared_by_strategy = True  # the model is prepared after the plan (setup_module)
         self._precision = precision
 
     # ------------------------------------------------------------------ groups (sizes, launcher: the mixin)
@@ -128,7 +128,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
     def _precision_prepare(self, module: nn.Module) -> None:
         """Step 3 of the setup: a lightning-amp plugin casts the converted module (Fabric's own plugins need no cast)."""
         if isinstance(self.precision, FabricAmpPrecision):
-            self.precision._convert_for_fabric(module)
+            self.precision.prepare(module)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if optimizer not in self._optimizers:

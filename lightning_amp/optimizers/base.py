@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_amp.amp.scaling_protocol import InKernelScaling
+
 
 def check_nonnegative(name: str, value: float) -> None:
     """ValueError naming ``name`` unless ``value`` is a finite number >= 0."""
@@ -49,7 +51,7 @@ def _as_flag_tensor(name: str, value: Any) -> Optional[Tensor]:
     raise TypeError(f"step(): {name} must be a one-element float tensor (or a number), got {value!r}")
 
 
-class FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(InKernelScaling, torch.optim.Optimizer):
     """Base of FusedAdam/SGD/LAMB/Adadelta: one ``lightning_amp.ops`` call per (group, device, dtype).
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (loss scale the
@@ -58,8 +60,6 @@ class FusedOptimizer(torch.optim.Optimizer):
     ``optimizer.found_inf`` (the protocol of ``torch.amp.GradScaler`` for optimizers with
     ``_step_supports_amp_scaling``).
     """
-
-    _step_supports_amp_scaling = True
 
     def add_param_group(self, param_group: dict) -> None:
         self._plan = None

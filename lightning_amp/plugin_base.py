@@ -1,0 +1,189 @@
+"""What the Trainer plugin (:mod:`lightning_amp.precision`) and the Fabric plugin
+(:mod:`lightning_amp.fabric.precision`) share: their constructor (the options of one opt level, building the
+:class:`~lightning_amp.amp.runtime.AmpRuntime` each holds as ``plugin.amp``), their read-only views of it,
+their names, and the per-level classes made from :data:`~lightning_amp.amp.levels.LEVEL_DEFAULTS`.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional, Union
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_amp.amp.levels import (LEVEL_SUMMARIES, OPT_LEVELS, AmpProperties, DtypeName, NormPolicyName,
+                                      OptLevelName, OutputDtypeName)
+from lightning_amp.amp.runtime import AmpRuntime
+from lightning_amp.amp.scaler import SCALER_DEFAULTS, LossScaler
+
+Kind = Literal["trainer", "fabric"]
+_STATE_VERSION = 1
+
+
+def plugin_name(kind: Kind, opt_level: Optional[str] = None) -> str:
+    """The public class name of the ``kind`` plugin of ``opt_level`` (None: the one that takes ``opt_level``):
+    ``AmpPrecision``/``AmpO2Plugin`` for the Trainer, ``FabricAmpPrecision``/``FabricAmpO2Precision`` for Fabric."""
+    if kind == "trainer":
+        return "AmpPrecision" if opt_level is None else f"Amp{opt_level}Plugin"
+    return "FabricAmpPrecision" if opt_level is None else f"FabricAmp{opt_level}Precision"
+
+
+class AmpPluginBase:
+    """Mixin of both Lightning plugins (first in their bases, before Lightning's ``Precision``).
+
+    Args:
+        opt_level: "O0" (fp32), "O1" (autocast + cast lists), "O2" (fp32 params, forward under autocast
+            with norms, softmax and activations kept half, fp32 BatchNorm, fp32 grads and update),
+            "O3" (pure half); case-insensitive.
+        dtype: "float16", "bfloat16", a torch dtype, or "auto" (bfloat16 on CPU and on CUDA
+            devices that support it, else float16).
+        loss_scale: a positive static scale or "dynamic"; None is the level's default (1.0 with
+            bfloat16). A number as a string ("128.0", as apex took it from argparse) is that number.
+        keep_batchnorm_fp32, master_weights, cast_model_outputs: overrides of the level's
+            defaults (None keeps them; apex's strings "True"/"False" are True/False); contradictions
+            raise ValueError.
+        half_buffers: O2: store the model's floating buffers in the half dtype (default False: they
+            keep the dtype the model gave them).
+        norm_policy: O2's forward: "half" (default: norms, softmax and activations in the half dtype,
+            as ``bf16-true``) or "fp32" (torch's autocast lists, as ``bf16-mixed``).
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+        min_loss_scale, max_loss_scale: the dynamic :class:`~lightning_amp.amp.scaler.LossScaler`.
+        combine_grad: the grads of the params each optimizer steps on live as views in one flat
+            buffer per (device, dtype) (:class:`~lightning_amp.amp.flat.FlatGradBuffer`); unscaling is one call per buffer.
+        fused_update: a plain ``torch.optim.Adam``/``AdamW``/``SGD`` is stepped by lightning_amp's
+            fused kernels (unscaled grads, skip decided on the device, one pass over params and
+            state; :mod:`lightning_amp.amp.kernel_step` says which group
+            options qualify). False: the optimizer's own ``step()`` runs, and the skip is decided
+            on the host.
+
+    Properties: ``loss_scale`` (current scale of the first optimizer), ``loss_scales`` (all),
+    ``skipped_steps`` (optimizer steps skipped for non-finite grads), ``properties``; ``amp`` is the runtime.
+    """
+
+    #: the opt level a per-level class fixes (None: the class takes ``opt_level``)
+    fixed_opt_level: Optional[str] = None
+    #: which Lightning the plugin is for (names in messages, :func:`plugin_name`)
+    kind: Kind
+
+    def __init__(
+        self,
+        opt_level: OptLevelName = "O1",
+        dtype: Union[DtypeName, torch.dtype] = "auto",
+        loss_scale: Optional[Union[float, Literal["dynamic"]]] = None,
+        keep_batchnorm_fp32: Optional[bool] = None,
+        master_weights: Optional[bool] = None,
+        cast_model_outputs: Optional[Union[OutputDtypeName, torch.dtype]] = None,
+        half_buffers: Optional[bool] = None,
+        norm_policy: Optional[NormPolicyName] = None,
+        init_scale: float = SCALER_DEFAULTS["init_scale"],
+        growth_factor: float = SCALER_DEFAULTS["growth_factor"],
+        backoff_factor: float = SCALER_DEFAULTS["backoff_factor"],
+        growth_interval: int = SCALER_DEFAULTS["growth_interval"],
+        hysteresis: int = SCALER_DEFAULTS["hysteresis"],
+        min_loss_scale: Optional[float] = SCALER_DEFAULTS["min_loss_scale"],
+        max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"],
+        combine_grad: bool = False,
+        fused_update: bool = True,
+    ) -> None:
+        super().__init__()
+        scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                             growth_interval=growth_interval, hysteresis=hysteresis,
+                             min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
+        #: the runtime of the level: prepare, forward context, backward, step, release
+        self.amp = AmpRuntime(opt_level, dtype, loss_scale, keep_batchnorm_fp32, master_weights, cast_model_outputs,
+                              half_buffers, norm_policy, scaler_kwargs, combine_grad, fused_update, warn=rank_zero_warn)
+
+    @property
+    def precision(self) -> str:  # type: ignore[override]
+        """Lightning's name of the nearest of its own precisions: "32-true" (O0), "bf16-mixed"/"16-mixed"
+        (O1, O2), "bf16-true"/"16-true" (O3)."""
+        props = self.amp.properties
+        half = "bf16" if props.dtype == torch.bfloat16 else "16"
+        if props.opt_level == "O0":
+            return "32-true"
+        return f"{half}-true" if props.opt_level == "O3" else f"{half}-mixed"
+
+    @property
+    def properties(self) -> AmpProperties:
+        """The resolved opt-level properties (dtype "auto" is resolved for the model's device at setup)."""
+        return self.amp.properties
+
+    @property
+    def combine_grad(self) -> bool:
+        return self.amp.combine_grad
+
+    @property
+    def fused_update(self) -> bool:
+        return self.amp.fused_update
+
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale of the first optimizer (the initial scale before setup)."""
+        return self.amp.loss_scale
+
+    @property
+    def loss_scales(self) -> List[float]:
+        """Current loss scale of every optimizer, in the order they were connected."""
+        return [s.scale for s in self.amp.engine.scalers]
+
+    @property
+    def scalers(self) -> List[LossScaler]:
+        """The LossScaler of every optimizer."""
+        return list(self.amp.engine.scalers)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far because of non-finite gradients (all optimizers; waits for
+        the flags of steps still on their way to the host)."""
+        return self.amp.engine.skipped_steps
+
+    @property
+    def last_nonfinite_params(self) -> List[str]:
+        """Names of the params whose grads were non-finite at the last skipped step (this rank's view)."""
+        return self.amp.engine.last_nonfinite_params
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Scaler state of every optimizer and the skipped-step counts."""
+        return {"version": _STATE_VERSION, "opt_level": self.properties.opt_level, **self.amp.engine.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or "loss_scalers" not in state_dict:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: `state_dict` must come from an AmpPrecision plugin "
+                f"(with a 'loss_scalers' list); got keys {sorted(state_dict) if isinstance(state_dict, dict) else state_dict!r}"
+            )
+        self.amp.engine.load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        """End of a run: the model handed back as a plain module (:meth:`AmpRuntime.release`); the next
+        setup prepares it again."""
+        self.amp.release()
+        super().teardown()  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        props = self.properties
+        return f"{type(self).__name__}(opt_level={props.opt_level!r}, dtype={props.dtype}, loss_scale={props.loss_scale!r})"
+
+
+class _FixedLevel:
+    """The constructor of a per-level class: every option but ``opt_level``, which the class fixes."""
+
+    fixed_opt_level: str
+    kind: Kind
+
+    def __init__(self, **kwargs: Any) -> None:
+        if "opt_level" in kwargs:
+            raise TypeError(f"{type(self).__name__} fixes the opt level; use {plugin_name(self.kind)}(opt_level=...) "
+                            "to choose one")
+        super().__init__(opt_level=self.fixed_opt_level, **kwargs)  # type: ignore[call-arg]
+
+
+def level_classes(base: type, namespace: Dict[str, Any]) -> None:
+    """Define ``base``'s class of every opt level in ``namespace`` (a module's globals), named by
+    :func:`plugin_name` and documented from :data:`~lightning_amp.amp.levels.LEVEL_SUMMARIES`."""
+    for level in OPT_LEVELS:
+        name = plugin_name(base.kind, level)
+        doc = (f"Apex {level} for {'Lightning Fabric' if base.kind == 'fabric' else 'the Lightning Trainer'}: "
+               f"{LEVEL_SUMMARIES[level]} Same keyword arguments as :class:`{base.__module__}.{base.__name__}` but "
+               "``opt_level``.")
+        namespace[name] = type(name, (_FixedLevel, base), {
+            "fixed_opt_level": level, "__doc__": doc, "__module__": namespace["__name__"], "__qualname__": name})

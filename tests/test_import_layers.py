@@ -1,0 +1,54 @@
+"""The package's layers as imports: ``amp/`` imports nothing above it (no Lightning, no optimizers,
+parallel or plugin modules) and its modules import one another without a circle."""
+import ast
+import pathlib
+
+import lightning_amp
+
+_AMP = pathlib.Path(lightning_amp.__file__).parent / "amp"
+_BELOW_AMP = ("lightning_amp.amp", "lightning_amp.ops")
+
+
+def _imports(path: pathlib.Path) -> list:
+    """Every module ``path`` imports (at any depth: lazy imports inside functions count too)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+            if node.module == "lightning_amp":
+                names.extend(f"lightning_amp.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+    return names
+
+
+def test_amp_imports_nothing_above_it():
+    offending = {}
+    for path in sorted(_AMP.glob("*.py")):
+        up = [m for m in _imports(path) if (m.startswith("lightning_amp.") and not m.startswith(_BELOW_AMP))
+              or m.split(".")[0] in ("lightning", "pytorch_lightning")]
+        if up:
+            offending[path.name] = up
+    assert not offending, f"amp/ imports upwards: {offending}"
+
+
+def test_amp_modules_import_no_circle():
+    graph = {}
+    for path in sorted(_AMP.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        graph[path.stem] = {m.rsplit(".", 1)[1] for m in _imports(path)
+                            if m.startswith("lightning_amp.amp.") and m.count(".") == 2} - {path.stem}
+
+    def cycle_from(node, trail):
+        if node in trail:
+            return trail[trail.index(node):] + [node]
+        for nxt in sorted(graph.get(node, ())):
+            found = cycle_from(nxt, trail + [node])
+            if found:
+                return found
+        return None
+
+    for start in graph:
+        found = cycle_from(start, [])
+        assert found is None, f"import circle in amp/: {' -> '.join(found)}"

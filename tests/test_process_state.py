@@ -1,0 +1,116 @@
+"""The process-wide state a run changes (docs/architecture.md, "Process-wide state"), each item gone after
+``fit``: torch's default dtype, the functions the cast lists patch, O2's op-policy kernels, the global forward
+pre-hook of a recomputing backward, the environment; and Lightning's ThroughputMonitor lookup, wrapped for
+our plugins only."""
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import throughput_monitor
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+from torch.nn.modules import module as torch_module
+from torch.utils.checkpoint import checkpoint
+
+from _lightning import quiet_lightning
+from lightning_amp import AmpPrecision, register_float_function
+from lightning_amp.amp import casts, o2_policy
+
+LEVELS = ("O1", "O2", "O3")
+
+
+class _Net(L.LightningModule):
+    """BatchNorm, LayerNorm, an activation-checkpointed block (a recomputing backward) and a BCE loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16))
+        self.block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU())
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = checkpoint(self.block, h, use_reentrant=False)
+        return self.out(h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.binary_cross_entropy_with_logits(self(x).float().squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g).float()
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+def _snapshot():
+    return dict(
+        default_dtype=torch.get_default_dtype(),
+        functions={(id(m), name): getattr(m, name) for m, name, _ in casts._patch_targets()},
+        patch_depth=casts.patch_depth(),
+        policy_installs=o2_policy.installs(),
+        pre_hooks=dict(torch_module._global_forward_pre_hooks),
+        environ=dict(os.environ),
+    )
+
+
+@pytest.fixture(scope="module")
+def before_and_after():
+    """The state before and after one ``fit`` per level (O1 with a registered cast-list function too)."""
+    register_float_function(torch, "sigmoid")
+    try:
+        before, after = _snapshot(), {}
+        for level in LEVELS:
+            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, plugins=[AmpPrecision(level, dtype="bfloat16")],
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False)
+            with quiet_lightning():
+                trainer.fit(_Net())
+            after[level] = _snapshot()
+    finally:
+        casts.unregister_function(torch, "sigmoid")
+    return before, after
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_default_dtype_is_restored(before_and_after, level):
+    before, after = before_and_after
+    assert after[level]["default_dtype"] == before["default_dtype"] == torch.float32
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_patched_functions_are_the_originals_again(before_and_after, level):
+    before, after = before_and_after
+    assert after[level]["patch_depth"] == 0
+    assert after[level]["functions"] == before["functions"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_o2_policy_kernels_are_unregistered(before_and_after, level):
+    before, after = before_and_after
+    assert after[level]["policy_installs"] == before["policy_installs"] == 0
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_no_global_forward_hook_is_left(before_and_after, level):
+    before, after = before_and_after
+    assert after[level]["pre_hooks"] == before["pre_hooks"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_environment_is_unchanged(before_and_after, level):
+    before, after = before_and_after
+    assert after[level]["environ"] == before["environ"]
+
+
+def test_throughput_monitor_lookup_answers_lightnings_own_for_its_plugins():
+    """The one process-wide wrap that stays (by design): Lightning's own plugins get Lightning's answer."""
+    lookup = throughput_monitor._plugin_to_compute_dtype
+    assert getattr(lookup, "_lightning_amp", False)
+    assert lookup(MixedPrecision("bf16-mixed", "cpu")) == torch.bfloat16
+    assert lookup(HalfPrecision("16-true")) == torch.float16
+    assert lookup(AmpPrecision("O2", dtype="float16")) == torch.float16
