@@ -22,20 +22,33 @@ def _new_flag(tensors: Sequence[Tensor], device=None) -> Tensor:
     return torch.zeros((), dtype=torch.float32, device=dev)
 
 
-def _check_scale_args(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
-    """The fallback's checks (the compiled op checks the same in C++)."""
-    if len(src) != len(dst):
-        raise ValueError(f"multi_tensor_scale: src and dst must have equal length, got {len(src)} and {len(dst)}")
-    for i, (s, d) in enumerate(zip(src, dst)):
-        for name, t in ((f"src[{i}]", s), (f"dst[{i}]", d)):
-            _check_dense("multi_tensor_scale", name, t)
-            if not t.is_floating_point():
-                raise TypeError(f"multi_tensor_scale: {name} must be floating point, got {t.dtype}")
-        if d.device != s.device:
-            raise ValueError(f"multi_tensor_scale: dst[{i}] is on {d.device} but src[{i}] is on {s.device} "
+def _check_list(op: str, name: str, tensors: Sequence[Tensor], device: torch.device) -> None:
+    """As csrc/bindings.cpp ``check_list``, for the fallback's wider input: on ``device``, dense, floating
+    (float64 too, and any strides: the fallback serves what the kernels do not take)."""
+    for i, t in enumerate(tensors):
+        what = f"{name}[{i}]"
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {what} is not a tensor")
+        if t.device != device:
+            raise ValueError(f"{op}: {what} is on {t.device} but the first tensor is on {device} "
                              "(all tensors must share one device)")
-        if s.shape != d.shape:
-            raise ValueError(f"multi_tensor_scale: src[{i}] shape {list(s.shape)} != dst[{i}] shape {list(d.shape)}")
+        _check_dense(op, what, t)
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {what} must be floating point, got {_c10_name(t.dtype)}")
+
+
+def _check_scale_args(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
+    """The fallback's checks, in the order of the C++ entry point's."""
+    op = "multi_tensor_scale"
+    if len(src) != len(dst):
+        raise ValueError(f"{op}: src and dst must have equal length, got {len(src)} and {len(dst)}")
+    if not src:
+        return
+    _check_list(op, "src", src, src[0].device)
+    _check_list(op, "dst", dst, src[0].device)
+    for i, (a, b) in enumerate(zip(src, dst)):
+        if a.shape != b.shape:
+            raise ValueError(f"{op}: src[{i}] shape {list(a.shape)} != dst[{i}] shape {list(b.shape)}")
 
 
 def multi_tensor_scale(
@@ -73,7 +86,7 @@ def _check_finite_args(tensors: Sequence[Tensor], found_inf: Tensor) -> None:
     for i, t in enumerate(tensors):
         _check_dense("multi_tensor_check_finite", f"tensors[{i}]", t)
         if not t.is_floating_point():
-            raise TypeError(f"multi_tensor_check_finite: tensors[{i}] must be floating point, got {t.dtype}")
+            raise TypeError(f"multi_tensor_check_finite: tensors[{i}] must be floating point, got {_c10_name(t.dtype)}")
         if t.device != found_inf.device:
             raise ValueError(f"multi_tensor_check_finite: tensors[{i}] is on {t.device} but found_inf is on "
                              f"{found_inf.device}")
@@ -121,9 +134,6 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> 
 
 def _l2norm_fallback(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     """Pure-PyTorch multi_tensor_l2norm: (global norm, per-tensor norms), fp32. Checks what the kernels refuse."""
-    for i, t in enumerate(tensors):
-        _check_dense("multi_tensor_l2norm", f"tensors[{i}]", t)
-        if not t.is_floating_point():
-            raise TypeError(f"multi_tensor_l2norm: tensors[{i}] must be floating point, got {t.dtype}")
+    _check_list("multi_tensor_l2norm", "tensors", tensors, tensors[0].device)
     each = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
     return torch.linalg.vector_norm(each), each

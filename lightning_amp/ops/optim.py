@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _ext
-from ._ext import _check_dense
+from ._ext import _c10_name, _check_dense, _check_float_like
 from ._library import lamp
 
 try:
@@ -53,86 +53,103 @@ def local_shards(*lists: Optional[Sequence[Tensor]]) -> tuple:
 
 
 def _check_scalar_tensor(op: str, name: str, t: Optional[Tensor], device: torch.device) -> None:
+    """As csrc/optim_entry.cpp ``check_flag``: None, or a one-element float32 tensor on ``device``."""
     if t is None:
         return
     if not isinstance(t, Tensor):
         raise TypeError(f"{op}: {name} must be a 0-dim float32 tensor or None, got {type(t).__name__}")
-    if t.numel() != 1 or t.dtype != torch.float32:
-        raise TypeError(f"{op}: {name} must be a one-element float32 tensor, got shape {tuple(t.shape)} {t.dtype}")
     if t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device} but the params are on {device}")
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise TypeError(f"{op}: {name} must be a one-element float32 tensor, got shape {list(t.shape)} "
+                        f"{_c10_name(t.dtype)}")
 
 
 def _check_optim_args(
     op: str,
     params: Sequence[Tensor],
-    grads: Sequence[Tensor],
+    grads: Optional[Sequence[Tensor]],
     state: dict,
     steps: Optional[Sequence[Tensor]],
     grad_scale: Optional[Tensor],
     found_inf: Optional[Tensor],
     model_copies: Optional[Sequence[Tensor]],
 ) -> None:
-    """Raise TypeError/ValueError naming the list and index of the first bad tensor."""
+    """The fallbacks' checks: a port of csrc/optim_entry.cpp ``check_lists`` (same order, messages and
+    exception types), except that empty lists are accepted (the public ops do nothing then)."""
     n = len(params)
-    lists = {"grads": grads, **state}
+    lists = ({"grads": grads} if grads is not None else {}) | dict(state)
     if steps is not None:
         lists["steps"] = steps
-    if model_copies is not None:
-        lists["model_copies"] = model_copies
     for name, lst in lists.items():
         if len(lst) != n:
             raise ValueError(f"{op}: {name} has {len(lst)} tensors but params has {n}; all lists must have equal length")
+    copies = list(model_copies) if model_copies is not None else []
+    if copies and len(copies) != n:
+        raise ValueError(f"{op}: model_copies has {len(copies)} tensors but params has {n} (give none or one per param)")
     if n == 0:
         return
-    device = params[0].device
-    for i, p in enumerate(params):
-        if not isinstance(p, Tensor):
-            raise TypeError(f"{op}: params[{i}] is not a tensor")
-        for name, lst in (("params", params), *lists.items()):
-            if isinstance(lst[i], Tensor):
-                _check_dense(op, f"{name}[{i}]", lst[i])
-        if p.dtype not in _OPT_DTYPES:
-            raise TypeError(f"{op}: params[{i}] must be float32/float16/bfloat16, got {p.dtype}")
-        if p.device != device:
-            raise ValueError(f"{op}: params[{i}] is on {p.device} but params[0] is on {device}; one call per device")
-        if not p.is_contiguous():
-            raise ValueError(f"{op}: params[{i}] must be contiguous (updated in place)")
-        g = grads[i]
-        if not isinstance(g, Tensor) or g.dtype not in _OPT_DTYPES:
-            raise TypeError(f"{op}: grads[{i}] must be a float32/float16/bfloat16 tensor, got {getattr(g, 'dtype', type(g))}")
-        if g.dtype != grads[0].dtype:
-            raise TypeError(f"{op}: grads must share one dtype, grads[{i}] is {g.dtype} but grads[0] is {grads[0].dtype}")
-        if g.shape != p.shape or g.device != device:
-            raise ValueError(
-                f"{op}: grads[{i}] {tuple(g.shape)}@{g.device} does not match params[{i}] {tuple(p.shape)}@{device}"
-            )
-        for name, lst in state.items():
-            s = lst[i]
-            if not isinstance(s, Tensor):
+    for name, lst in (("params", params), *lists.items(), ("model_copies", copies)):
+        for i, t in enumerate(lst):
+            if not isinstance(t, Tensor):
                 raise TypeError(f"{op}: {name}[{i}] is not a tensor")
-            if s.dtype != p.dtype:
-                raise TypeError(f"{op}: {name}[{i}] must have its param's dtype {p.dtype}, got {s.dtype}")
-            if s.shape != p.shape or s.device != device:
-                raise ValueError(
-                    f"{op}: {name}[{i}] {tuple(s.shape)}@{s.device} does not match params[{i}] {tuple(p.shape)}@{device}"
-                )
-            if not s.is_contiguous():
-                raise ValueError(f"{op}: {name}[{i}] must be contiguous (updated in place)")
+    device, pdtype = params[0].device, params[0].dtype
+    gdtype = grads[0].dtype if grads is not None else pdtype
+
+    def check_like(name: str, t: Tensor, p: Tensor, pn: str) -> None:
+        _check_dense(op, name, t)
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {pn} is on {device}")
+        if t.shape != p.shape:
+            raise ValueError(f"{op}: {name} shape {list(t.shape)} != {pn} shape {list(p.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (got strides {list(t.stride())})")
+
+    for i, p in enumerate(params):
+        pn = f"params[{i}]"
+        if p.device != device:
+            raise ValueError(f"{op}: {pn} is on {p.device} but params[0] is on {device}")
+        _check_float_like(op, pn, p)
+        if p.dtype != pdtype:
+            raise TypeError(f"{op}: params must share one dtype, {pn} is {_c10_name(p.dtype)} but params[0] is "
+                            f"{_c10_name(pdtype)}")
+        if not p.is_contiguous():
+            raise ValueError(f"{op}: {pn} must be contiguous (got strides {list(p.stride())})")
+        if grads is not None:
+            gn, g = f"grads[{i}]", grads[i]
+            if g.device != device:
+                raise ValueError(f"{op}: {gn} is on {g.device} but {pn} is on {device}")
+            _check_float_like(op, gn, g)
+            if g.dtype != gdtype:
+                raise TypeError(f"{op}: grads must share one dtype, {gn} is {_c10_name(g.dtype)} but grads[0] is "
+                                f"{_c10_name(gdtype)}")
+            check_like(gn, g, p, pn)
+        for name, lst in state.items():
+            sn, t = f"{name}[{i}]", lst[i]
+            if t.device != device:
+                raise ValueError(f"{op}: {sn} is on {t.device} but {pn} is on {device}")
+            if t.dtype != pdtype:
+                raise TypeError(f"{op}: {sn} must have its param's dtype {_c10_name(pdtype)}, got {_c10_name(t.dtype)}")
+            check_like(sn, t, p, pn)
         if steps is not None:
-            s = steps[i]
-            if not isinstance(s, Tensor) or s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
-                raise TypeError(f"{op}: steps[{i}] must be a one-element float32 tensor on {device}")
-        if model_copies is not None:
-            c = model_copies[i]
-            if p.dtype != torch.float32:
-                raise TypeError(f"{op}: with model_copies the params are fp32 masters, params[{i}] is {p.dtype}")
-            if not isinstance(c, Tensor) or c.dtype not in (torch.float16, torch.bfloat16):
-                raise TypeError(f"{op}: model_copies[{i}] must be float16/bfloat16, got {getattr(c, 'dtype', type(c))}")
-            if c.shape != p.shape or c.device != device or not c.is_contiguous():
-                raise ValueError(f"{op}: model_copies[{i}] must be contiguous and match params[{i}] {tuple(p.shape)}@{device}")
-    if len(set(p.dtype for p in params)) != 1:
-        raise TypeError(f"{op}: params must share one dtype, got {sorted(set(str(p.dtype) for p in params))}")
+            t = steps[i]
+            if t.device != device:
+                raise ValueError(f"{op}: steps[{i}] is on {t.device} but {pn} is on {device}")
+            if t.dtype != torch.float32 or t.numel() != 1:
+                raise TypeError(f"{op}: steps[{i}] must be a one-element float32 tensor, got shape {list(t.shape)} "
+                                f"{_c10_name(t.dtype)}")
+        if copies:
+            cn, c = f"model_copies[{i}]", copies[i]
+            if c.device != device:
+                raise ValueError(f"{op}: {cn} is on {c.device} but {pn} is on {device}")
+            _check_dense(op, cn, c)
+            if pdtype != torch.float32:
+                raise TypeError(f"{op}: with model_copies the params are fp32 masters, got {_c10_name(pdtype)}")
+            if c.dtype not in (torch.float16, torch.bfloat16):
+                raise TypeError(f"{op}: {cn} must be float16 or bfloat16, got {_c10_name(c.dtype)}")
+            if c.dtype != copies[0].dtype:
+                raise TypeError(f"{op}: model_copies must share one dtype")
+            check_like(cn, c, p, pn)
     _check_scalar_tensor(op, "grad_scale", grad_scale, device)
     _check_scalar_tensor(op, "found_inf", found_inf, device)
 
