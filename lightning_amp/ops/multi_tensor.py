@@ -93,7 +93,8 @@ def _check_finite_args(tensors: Sequence[Tensor], found_inf: Tensor) -> None:
     if found_inf.dtype != torch.float32:
         raise TypeError(f"multi_tensor_check_finite: found_inf must be Float, got {_c10_name(found_inf.dtype)}")
     if found_inf.numel() != 1:
-        raise ValueError(f"multi_tensor_check_finite: found_inf must hold one element, got shape {list(found_inf.shape)}")
+        raise ValueError("multi_tensor_check_finite: found_inf must hold one element, got shape "
+                         f"{list(found_inf.shape)}")
 
 
 def multi_tensor_check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> Tensor:

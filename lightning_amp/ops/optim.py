@@ -83,10 +83,12 @@ def _check_optim_args(
         lists["steps"] = steps
     for name, lst in lists.items():
         if len(lst) != n:
-            raise ValueError(f"{op}: {name} has {len(lst)} tensors but params has {n}; all lists must have equal length")
+            raise ValueError(f"{op}: {name} has {len(lst)} tensors but params has {n}; "
+                             "all lists must have equal length")
     copies = list(model_copies) if model_copies is not None else []
     if copies and len(copies) != n:
-        raise ValueError(f"{op}: model_copies has {len(copies)} tensors but params has {n} (give none or one per param)")
+        raise ValueError(f"{op}: model_copies has {len(copies)} tensors but params has {n} "
+                         "(give none or one per param)")
     if n == 0:
         return
     for name, lst in (("params", params), *lists.items(), ("model_copies", copies)):
@@ -259,8 +261,8 @@ def multi_tensor_adam(
 
     ``adam_w_mode``: decoupled weight decay ``p *= 1 - lr * weight_decay`` (AdamW) instead of
     the L2 term ``g += weight_decay * p`` (Adam). ``max_exp_avg_sqs`` given = AMSGrad.
-    ``checked=True``: the caller validated the lists (cached), the per-tensor Python checks are
-    skipped (the compiled entry point still checks every argument).
+    ``checked=True``: the caller validated the lists (a cached plan), so the fallback skips its
+    per-tensor Python checks; the compiled op checks every argument in C++ on every call either way.
     """
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies = local_shards(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies)
