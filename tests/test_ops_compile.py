@@ -178,3 +178,19 @@ def test_fused_wgrad_in_backward_compiles_fullgraph(dtype):
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(main, ref_main, rtol=1e-5, atol=1e-5)
     assert main.abs().max() > 0
+
+
+@needs_ext
+def test_public_ops_under_a_fake_tensor_mode_reach_the_fake_kernels():
+    """Eager calls go straight to the C++ entry points; under a dispatch mode (here fake tensors, as in
+    export or a trace) the public ops go through the operators, whose fake kernels give the metadata."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        tensors = [torch.empty(5), torch.empty(3, 2)]
+        total, each = ops.multi_tensor_l2norm(tensors, per_tensor=True)
+        found_inf, flags = ops.multi_tensor_scale(tensors, [torch.empty_like(t) for t in tensors], 0.5, True)
+        params = [torch.empty(4)]
+        ops.multi_tensor_adam(params, [torch.empty(4)], [torch.empty(4)], [torch.empty(4)], [torch.zeros(())],
+                              lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    assert total.shape == () and each.shape == (2,) and flags.shape == (2,) and flags.dtype == torch.float32

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _ext
 from ._ext import _c10_name, _check_dense, _ext_accepts
-from ._library import lamp
+from . import _library
 
 
 def _new_flag(tensors: Sequence[Tensor], device=None) -> Tensor:
@@ -62,7 +62,7 @@ def multi_tensor_scale(
     """
     if src and _ext._ext_for(src[0].device) is not None and _ext_accepts(src) and _ext_accepts(dst):
         found_inf = _new_flag(src)
-        flags = lamp.multi_tensor_scale(list(src), list(dst), float(scale), found_inf)
+        flags = _library.run("multi_tensor_scale", list(src), list(dst), float(scale), found_inf)
         return found_inf, (flags if per_tensor else None)
     _check_scale_args(src, dst)
     found_inf = _new_flag(src)
@@ -107,7 +107,7 @@ def multi_tensor_check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> T
     if isinstance(found_inf, Tensor) and _ext._ext_for(found_inf.device) is not None and _ext_accepts(tensors):
         live = [t for t in tensors if t.numel()]
         if live:
-            lamp.multi_tensor_check_finite(live, found_inf)
+            _library.run("multi_tensor_check_finite", live, found_inf)
             return found_inf
     _check_finite_args(tensors, found_inf)
     tensors = [t for t in tensors if t.numel()]
@@ -127,7 +127,7 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> 
     if not tensors:
         return torch.zeros((), dtype=torch.float32), (torch.zeros(0) if per_tensor else None)
     if _ext._ext_for(tensors[0].device) is not None and _ext_accepts(tensors):
-        total, each = lamp.multi_tensor_l2norm(list(tensors), bool(per_tensor))
+        total, each = _library.run("multi_tensor_l2norm", list(tensors), bool(per_tensor))
     else:
         total, each = _l2norm_fallback(tensors)
     return total, (each if per_tensor else None)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _ext
 from ._ext import _c10_name, _check_dense, _check_float_like
-from ._library import lamp
+from . import _library
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -267,8 +267,8 @@ def multi_tensor_adam(
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies = local_shards(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies)
     if _compiled(params):
-        lamp.multi_tensor_adam(
-            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+        _library.run(
+            "multi_tensor_adam", list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
             list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [], list(steps),
             list(model_copies) if model_copies is not None else [],
             float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adam_w_mode),
@@ -343,8 +343,8 @@ def multi_tensor_sgd(
     if momentum != 0 and momentum_buffers is None:
         raise ValueError("multi_tensor_sgd: momentum_buffers are required when momentum != 0")
     if _compiled(params):
-        lamp.multi_tensor_sgd(
-            list(params), list(grads), list(momentum_buffers) if momentum != 0 else [],
+        _library.run(
+            "multi_tensor_sgd", list(params), list(grads), list(momentum_buffers) if momentum != 0 else [],
             list(model_copies) if model_copies is not None else [],
             float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run),
             grad_scale, found_inf,
@@ -398,8 +398,8 @@ def multi_tensor_adadelta(
     params, grads, square_avgs, acc_deltas, model_copies = local_shards(
         params, grads, square_avgs, acc_deltas, model_copies)
     if _compiled(params):
-        lamp.multi_tensor_adadelta(
-            list(params), list(grads), list(square_avgs), list(acc_deltas), list(steps),
+        _library.run(
+            "multi_tensor_adadelta", list(params), list(grads), list(square_avgs), list(acc_deltas), list(steps),
             list(model_copies) if model_copies is not None else [],
             float(lr), float(rho), float(eps), float(weight_decay), grad_scale, found_inf,
         )
@@ -510,7 +510,8 @@ def multi_tensor_lamb(
     ``multi_tensor_lamb_apply``); with ``found_inf`` set both write nothing and the reduction still
     runs, so every rank joins it.
     """
-    params, grads, exp_avgs, exp_avg_sqs, model_copies = local_shards(params, grads, exp_avgs, exp_avg_sqs, model_copies)
+    params, grads, exp_avgs, exp_avg_sqs, model_copies = local_shards(
+        params, grads, exp_avgs, exp_avg_sqs, model_copies)
     if global_grad_norm is None:
         raise TypeError("multi_tensor_lamb: global_grad_norm is required")
     copies = list(model_copies) if model_copies is not None else []
@@ -518,23 +519,23 @@ def multi_tensor_lamb(
         reduce_norms = None  # no trust ratio: the norms are not needed
     compiled = _compiled(params)
     if compiled and reduce_norms is None:
-        lamp.multi_tensor_lamb(
-            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), copies,
+        _library.run(
+            "multi_tensor_lamb", list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), copies,
             float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction),
             bool(grad_averaging), bool(adam_w_mode), global_grad_norm, float(max_grad_norm), bool(use_nvlamb),
             grad_scale, found_inf,
         )
     elif compiled:
-        squares = lamp.multi_tensor_lamb_moments(
-            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), float(beta1), float(beta2),
-            float(eps), float(weight_decay), bool(bias_correction), bool(grad_averaging), bool(adam_w_mode),
-            global_grad_norm, float(max_grad_norm), grad_scale, found_inf,
+        squares = _library.run(
+            "multi_tensor_lamb_moments", list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
+            float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), bool(grad_averaging),
+            bool(adam_w_mode), global_grad_norm, float(max_grad_norm), grad_scale, found_inf,
         )
         squares = _reduced_norms("multi_tensor_lamb", reduce_norms, squares)
-        lamp.multi_tensor_lamb_apply(
-            list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), copies, float(lr), float(beta1),
-            float(beta2), float(eps), float(weight_decay), bool(bias_correction), bool(adam_w_mode), bool(use_nvlamb),
-            squares, found_inf,
+        _library.run(
+            "multi_tensor_lamb_apply", list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), copies,
+            float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction),
+            bool(adam_w_mode), bool(use_nvlamb), squares, found_inf,
         )
     else:
         state = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import _ext
 from ._ext import _c10_name, _check_dense, _check_float_like
-from ._library import lamp
+from . import _library
 
 
 def _check_wgrad_args(op: str, input: Tensor, grad_output: Tensor, main_grad: Tensor, main_dtypes) -> None:
@@ -102,7 +102,7 @@ def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor)
     (on CUDA with the 16-bit GEMM, ``out_dtype=torch.float32``) and adds it.
     """
     if isinstance(main_grad, Tensor) and _ext._ext_for(main_grad.device) is not None:
-        lamp.wgrad_gemm_accum_fp32(input, grad_output, main_grad)
+        _library.run("wgrad_gemm_accum_fp32", input, grad_output, main_grad)
     else:
         _check_wgrad_args("wgrad_gemm_accum_fp32", input, grad_output, main_grad, (torch.float32,))
         _wgrad_fallback(input, grad_output, main_grad)
@@ -117,7 +117,7 @@ def wgrad_gemm_accum_fp16(input: Tensor, grad_output: Tensor, main_grad: Tensor)
     the fallback adds the fp32 product in one fp32 add.
     """
     if isinstance(main_grad, Tensor) and _ext._ext_for(main_grad.device) is not None:
-        lamp.wgrad_gemm_accum_fp16(input, grad_output, main_grad)
+        _library.run("wgrad_gemm_accum_fp16", input, grad_output, main_grad)
     else:
         _check_wgrad_args("wgrad_gemm_accum_fp16", input, grad_output, main_grad, (torch.float16, torch.bfloat16))
         _wgrad_fallback(input, grad_output, main_grad)
