@@ -38,7 +38,8 @@ Layout of the package (everything public is re-exported here):
 * :mod:`._ext`: loading the extension, the switches, :func:`backend`;
 * :mod:`._library`: the compiled kernels as torch.library operators ``torch.ops.lightning_amp.*``
   (schemas with their writes declared, fake kernels), so ``torch.compile`` traces through them;
-  their arguments are checked in C++ only;
+  their arguments are checked in C++ only. ``_library.run`` calls the operator under a trace or a
+  dispatch mode and the C++ entry point directly in eager code (no custom-op dispatch cost);
 * :mod:`.wgrad`, :mod:`.multi_tensor`, :mod:`.optim`: the public ops and their fallbacks (which
   check their own arguments: there is no C++ on that path).
 
@@ -122,9 +123,6 @@ class _OpsPackage(types.ModuleType):
             if name in vars(module):
                 setattr(module, name, value)
         super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        super().__delattr__(name)
 
 
 sys.modules[__name__].__class__ = _OpsPackage
