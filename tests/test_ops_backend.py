@@ -1,7 +1,7 @@
 """ops.backend(), LIGHTNING_AMP_DISABLE_EXT and life without the compiled extension.
 
 The environment variable is checked once end to end in a fresh interpreter; the other
-conditions load an independent copy of ops.py in-process (cheaper than a subprocess).
+conditions load an independent copy of the ops package in-process (cheaper than a subprocess).
 """
 import glob
 import importlib.util
@@ -79,10 +79,20 @@ def test_backend_names_the_implementation_that_runs(device, monkeypatch):
 
 
 def _fresh_ops_module(name):
-    """A new, independent copy of lightning_amp/ops.py, executed under the current patches."""
-    spec = importlib.util.spec_from_file_location(name, ops.__file__)
+    """A new, independent copy of the lightning_amp/ops package, executed under the current patches.
+
+    Its torch.library operators are the process's own (``_library`` is shared: an operator is
+    registered once per process); the copy calls them only when its own loader found the extension."""
+    here = os.path.dirname(ops.__file__)
+    spec = importlib.util.spec_from_file_location(name, ops.__file__, submodule_search_locations=[here])
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    sys.modules[f"{name}._library"] = ops._library
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
     return module
 
 

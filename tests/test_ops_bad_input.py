@@ -1,4 +1,6 @@
-"""Every entry point of the compiled extension refuses bad input with a Python exception.
+"""Every entry point of the compiled extension refuses bad input with a Python exception, and so does
+the pure-PyTorch fallback behind the public op (``ops.<name>`` without the extension): the same
+exception type and message.
 
 One test per (entry point, case, device). Each case starts from a valid call (checked to
 succeed first), breaks one thing, and expects a ValueError/TypeError whose message names the
@@ -13,7 +15,7 @@ import torch
 from lightning_amp import ops
 
 EXT = ops._ext_for("cpu")
-pytestmark = pytest.mark.skipif(EXT is None, reason=f"compiled extension not loaded: {ops.extension_error()}")
+needs_ext = pytest.mark.skipif(EXT is None, reason=f"compiled extension not loaded: {ops.extension_error()}")
 HAS_CUDA = torch.cuda.is_available()
 EXT_CUDA = bool(EXT is not None and EXT.WITH_CUDA)
 
@@ -148,6 +150,70 @@ def _call(name, args):
     return getattr(EXT, name)(*args.values())
 
 
+def _opt(lst):
+    return lst if lst else None
+
+
+# name -> the public op called with the entry point's arguments (its fallback when ops._EXT is None)
+PUBLIC = {
+    "wgrad_gemm_accum_fp32": lambda a: ops.wgrad_gemm_accum_fp32(a["input"], a["grad_output"], a["main_grad"]),
+    "wgrad_gemm_accum_fp16": lambda a: ops.wgrad_gemm_accum_fp16(a["input"], a["grad_output"], a["main_grad"]),
+    "multi_tensor_scale": lambda a: ops.multi_tensor_scale(a["src"], a["dst"], a["scale"]),
+    "multi_tensor_l2norm": lambda a: ops.multi_tensor_l2norm(a["tensors"], a["per_tensor"]),
+    "multi_tensor_check_finite": lambda a: ops.multi_tensor_check_finite(a["tensors"], a["found_inf"]),
+    "multi_tensor_adam": lambda a: ops.multi_tensor_adam(
+        a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["steps"], lr=a["lr"], beta1=a["beta1"],
+        beta2=a["beta2"], eps=a["eps"], weight_decay=a["weight_decay"], adam_w_mode=a["adam_w_mode"],
+        bias_correction=a["bias_correction"], max_exp_avg_sqs=_opt(a["max_exp_avg_sqs"]), grad_scale=a["grad_scale"],
+        found_inf=a["found_inf"], model_copies=_opt(a["model_copies"])),
+    "multi_tensor_sgd": lambda a: ops.multi_tensor_sgd(
+        a["params"], a["grads"], a["momentum_buffers"], lr=a["lr"], momentum=a["momentum"], dampening=a["dampening"],
+        weight_decay=a["weight_decay"], nesterov=a["nesterov"], first_run=a["first_run"], grad_scale=a["grad_scale"],
+        found_inf=a["found_inf"], model_copies=_opt(a["model_copies"])),
+    "multi_tensor_adadelta": lambda a: ops.multi_tensor_adadelta(
+        a["params"], a["grads"], a["square_avgs"], a["acc_deltas"], a["steps"], lr=a["lr"], rho=a["rho"],
+        eps=a["eps"], weight_decay=a["weight_decay"], grad_scale=a["grad_scale"], found_inf=a["found_inf"],
+        model_copies=_opt(a["model_copies"])),
+    "multi_tensor_lamb": lambda a: ops.multi_tensor_lamb(
+        a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["steps"], lr=a["lr"], beta1=a["beta1"],
+        beta2=a["beta2"], eps=a["eps"], weight_decay=a["weight_decay"], global_grad_norm=a["global_grad_norm"],
+        max_grad_norm=a["max_grad_norm"], bias_correction=a["bias_correction"], grad_averaging=a["grad_averaging"],
+        adam_w_mode=a["adam_w_mode"], use_nvlamb=a["use_nvlamb"], grad_scale=a["grad_scale"],
+        found_inf=a["found_inf"], model_copies=_opt(a["model_copies"])),
+}
+_MULTI = ("multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_check_finite")
+# cases the fallback of the multi-tensor ops accepts by design (float64 and strided tensors) or words
+# differently (any floating dtype is fine there), and empty lists, which every public op takes as a no-op
+FALLBACK_SKIPS = {"empty_lists": "all", "wrong_dtype": _MULTI, "non_contiguous": _MULTI}
+FALLBACK_PATTERNS = {("complex", name): r"must be floating point, got ComplexFloat" for name in _MULTI}
+
+
+def _fallback_params():
+    for name in PUBLIC:
+        for case, (applies, *_) in CASES.items():
+            skip = FALLBACK_SKIPS.get(case, ())
+            if not applies(OPS[name]) or skip == "all" or name in skip:
+                continue
+            stray = "meta" if case == "stray_device" else None
+            yield pytest.param(name, case, stray, id=f"{name}-{case}" + (f"+{stray}" if stray else ""))
+
+
+@pytest.mark.parametrize("name,case,stray", list(_fallback_params()))
+def test_fallback_bad_input_raises_as_the_entry_point(name, case, stray, monkeypatch):
+    """The public op on the fallback path (checked in Python) raises what the C++ entry point raises."""
+    monkeypatch.setattr(ops, "_EXT", None)
+    _, breaker, exc, pattern = CASES[case]
+    pattern = FALLBACK_PATTERNS.get((case, name), pattern)
+    spec = OPS[name]
+    torch.manual_seed(0)
+    PUBLIC[name](spec[0]("cpu"))  # the unbroken call is valid
+    args = spec[0]("cpu")
+    breaker(args, spec, stray)
+    with pytest.raises(exc, match=pattern.format(stray=stray)):
+        PUBLIC[name](args)
+
+
+@needs_ext
 @pytest.mark.parametrize("name,case,home,stray", list(_params()))
 def test_bad_input_raises(name, case, home, stray):
     if "cuda" in (home, stray) and not HAS_CUDA:
@@ -170,6 +236,7 @@ UNSUPPORTED = [
 ]
 
 
+@needs_ext
 @pytest.mark.parametrize("device", UNSUPPORTED)
 @pytest.mark.parametrize("name", list(OPS))
 def test_device_without_kernels_raises(name, device):
@@ -191,6 +258,7 @@ SQ_NORMS_CASES = {
 }
 
 
+@needs_ext
 @pytest.mark.parametrize("case", list(SQ_NORMS_CASES))
 def test_lamb_apply_checks_sq_norms(case):
     """The squared norms handed to LAMB's second pass (after the all-reduce across shards) are checked too."""

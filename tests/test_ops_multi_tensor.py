@@ -146,8 +146,10 @@ def test_scale_ext_errors():
 def test_scale_ops_errors():
     with pytest.raises(ValueError, match="equal length"):
         ops.multi_tensor_scale([torch.randn(3)], [], 1.0)
-    with pytest.raises(ValueError, match="tensor 0"):
+    with pytest.raises(ValueError, match=r"src\[0\] shape \[3\] != dst\[0\] shape \[4\]"):
         ops.multi_tensor_scale([torch.randn(3)], [torch.empty(4)], 1.0)
+    with pytest.raises(ValueError, match=r"src\[0\] shape \[3\] != dst\[0\] shape \[4\]"):  # the fallback's
+        ops.multi_tensor_scale([torch.randn(3).double()], [torch.empty(4).double()], 1.0)
     with pytest.raises(TypeError, match="floating point"):
         ops.multi_tensor_scale([torch.ones(3, dtype=torch.int32)], [torch.empty(3)], 1.0)
 
@@ -209,14 +211,26 @@ def test_check_finite_public_op():
     ops.multi_tensor_check_finite(tensors, found)
     assert found.item() == 1.0  # never cleared
     assert ops.multi_tensor_check_finite([], torch.zeros(())).item() == 0.0
+
+
+@pytest.mark.parametrize("path", ["ext", "fallback"])
+def test_check_finite_bad_input_same_errors_on_both_paths(path, monkeypatch):
+    """The compiled op (checked in C++) and the fallback (checked in Python) refuse bad input alike."""
+    if path == "ext" and EXT is None:
+        pytest.skip("compiled extension not built")
+    if path == "fallback":
+        monkeypatch.setattr(ops, "_EXT", None)
+    tensors = _randn_list(SHAPES, [torch.bfloat16, torch.float16, torch.float32] * 2, 5)
     with pytest.raises(TypeError, match=r"tensors\[1\] must be floating point"):
         ops.multi_tensor_check_finite([tensors[0], torch.ones(3, dtype=torch.int64)], torch.zeros(()))
     with pytest.raises(TypeError, match=r"tensors\[0\] must be a dense"):
         ops.multi_tensor_check_finite([tensors[0].to_sparse()], torch.zeros(()))
-    with pytest.raises(ValueError, match=r"tensors\[0\] is on meta but found_inf is on cpu"):
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on meta"):
         ops.multi_tensor_check_finite([torch.empty(3, device="meta")], torch.zeros(()))
-    with pytest.raises(TypeError, match="found_inf must be one float32 element"):
+    with pytest.raises(ValueError, match=r"found_inf must hold one element, got shape \[2\]"):
         ops.multi_tensor_check_finite(tensors, torch.zeros(2))
+    with pytest.raises(TypeError, match=r"found_inf must be Float, got Double"):
+        ops.multi_tensor_check_finite(tensors, torch.zeros((), dtype=torch.float64))
 
 
 @needs_ext

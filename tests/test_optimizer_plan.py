@@ -32,3 +32,36 @@ def test_cached_plan_follows_grads_and_groups_like_torch():
         before = [p.clone() for p in ours]
         opt.step(found_inf=torch.ones(()))  # the cached plan honours found_inf
         assert all(torch.equal(a, b) for a, b in zip(before, ours))
+
+
+def test_kernel_step_and_fused_optimizers_share_one_plan_class():
+    """KernelStep (a torch Adam stepped by the kernels) caches its lists in the same StepPlan as the fused
+    optimizers: built on a step with complete state, reused while the groups keep their signature, rebuilt
+    when a group changes (here: a new group)."""
+    from lightning_amp.amp.kernel_step import KernelStep
+    from lightning_amp.optimizers.step_plan import StepPlan
+
+    ours, ref = _pair()
+    opt, ref_opt = torch.optim.Adam(ours[:2], lr=1e-2), torch.optim.Adam(ref[:2], lr=1e-2)
+    step = KernelStep(opt)
+    assert isinstance(step.plan, StepPlan) and isinstance(FusedAdam(ours[:2]).step_plan, StepPlan)
+    gen = torch.Generator().manual_seed(3)
+    flag = lambda device: None  # noqa: E731  (no overflow)
+    built = []
+    for i in range(6):
+        if i == 3:
+            opt.add_param_group({"params": [ours[2]]})
+            ref_opt.add_param_group({"params": [ref[2]]})
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        signature = step.plan.signature
+        assert step.usable()
+        built.append(step.plan.signature is not signature)
+        step.step(flag)
+        ref_opt.step()
+        for p, q in zip(ours, ref):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (i, (p - q).abs().max())
+    # step 0 builds (no state yet: the first step creates it, then drops the plan), step 1 rebuilds with
+    # the state, step 2 reuses; the new group rebuilds (3: fresh state, 4: complete), step 5 reuses
+    assert built == [True, True, False, True, True, False]

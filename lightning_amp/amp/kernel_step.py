@@ -38,6 +38,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 
 from lightning_amp import ops
+from lightning_amp.optimizers.step_plan import StepPlan
 
 KERNEL_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -106,27 +107,23 @@ class KernelStep:
         self.optimizer = optimizer
         self.adam = not isinstance(optimizer, torch.optim.SGD)
         self.adam_w = isinstance(optimizer, torch.optim.AdamW)
-        self._signature: Optional[tuple] = None
-        self._parts: List[_Part] = []
+        # the cached plan (shared class with the fused optimizers); the signature also holds each
+        # group's AMSGrad and momentum switches, which decide what state the kernels get
+        self.plan = StepPlan(key=lambda g: (bool(g.get("amsgrad")), g.get("momentum", 0) != 0))
         self._gradless: List[Tensor] = []  # trainable params without grad when the plan was built
         self._fresh = True
 
-    def _current_signature(self) -> tuple:
-        return tuple(
-            (id(g["params"]), len(g["params"]), id(g["params"][0]) if g["params"] else 0,
-             id(g["params"][-1]) if g["params"] else 0, bool(g.get("amsgrad")), g.get("momentum", 0) != 0)
-            for g in self.optimizer.param_groups
-        )
+    @property
+    def _parts(self) -> List[_Part]:
+        return self.plan.parts or []
 
     def usable(self) -> bool:
         """True when this step can run through the kernels (the plan is rebuilt here if needed)."""
         if has_step_hooks(self.optimizer):  # registered since the plan was built: the hooks must run
             return False
-        signature = self._current_signature()
-        if signature != self._signature:
+        if not self.plan.current(self.optimizer.param_groups):
             if not supports(self.optimizer):
                 return False
-            self._signature = signature
             self._build()
         elif any(map(_sparse_grad, self._gradless)):
             return False
@@ -143,16 +140,16 @@ class KernelStep:
                     self._fresh = True
                 else:
                     self._normalise_state(p)
-        self._parts = []
-        if self._fresh:
-            return
-        for group in self.optimizer.param_groups:
-            buckets: Dict[tuple, List[Tensor]] = {}
-            for p in group["params"]:
-                if p.requires_grad:
-                    buckets.setdefault((p.device, p.dtype), []).append(p)
-            for params in buckets.values():
-                self._parts.append(_Part(self.optimizer, group, params))
+        parts: List[_Part] = []
+        if not self._fresh:
+            for group in self.optimizer.param_groups:
+                buckets: Dict[tuple, List[Tensor]] = {}
+                for p in group["params"]:
+                    if p.requires_grad:
+                        buckets.setdefault((p.device, p.dtype), []).append(p)
+                for params in buckets.values():
+                    parts.append(_Part(self.optimizer, group, params))
+        self.plan.store(self.optimizer.param_groups, parts)
 
     def _needs_state(self, p: Tensor, group: dict) -> bool:
         st = self.optimizer.state.get(p, {})
@@ -200,7 +197,7 @@ class KernelStep:
                 return
             self._init_state()
             self._first_step(found_inf)
-            self._signature = None  # state complete now: build the cached plan next time
+            self.plan.drop()  # state complete now: build the cached plan next time
             return
         for part in self._parts:
             params, grads = part.params, [p.grad for p in part.params]
@@ -242,7 +239,7 @@ class KernelStep:
                 beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 adam_w_mode=self.adam_w or bool(group.get("decoupled_weight_decay", False)),
                 max_exp_avg_sqs=part.max_exp_avg_sqs if group["amsgrad"] else None,
-                found_inf=found_inf, checked=not first_run and self._signature is not None,
+                found_inf=found_inf, checked=not first_run and self.plan.built,
             )
         else:
             momentum = group["momentum"]
@@ -250,5 +247,5 @@ class KernelStep:
                 params, grads, part.momentum_buffers if momentum != 0 else None, lr=group["lr"], momentum=momentum,
                 dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
                 first_run=first_run, found_inf=found_inf,
-                checked=not first_run and self._signature is not None,
+                checked=not first_run and self.plan.built,
             )

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp.amp.scaling_protocol import InKernelScaling
+from lightning_amp.optimizers.step_plan import StepPlan
 
 
 def check_nonnegative(name: str, value: float) -> None:
@@ -62,7 +63,7 @@ class FusedOptimizer(InKernelScaling, torch.optim.Optimizer):
     """
 
     def add_param_group(self, param_group: dict) -> None:
-        self._plan = None
+        self.step_plan.drop()
         super().add_param_group(param_group)
         self._validate_group(self.param_groups[-1])
         for p in self.param_groups[-1]["params"]:
@@ -153,7 +154,7 @@ class FusedOptimizer(InKernelScaling, torch.optim.Optimizer):
         found_inf = _as_flag_tensor("found_inf", found_inf)
         scale_on, inf_on = _per_device(grad_scale), _per_device(found_inf)
 
-        plan = self._cached_plan()
+        plan = self.step_plan.cached(self.param_groups)
         if plan is None:
             work = [(group, self._params_with_grad(group)) for group in self.param_groups]
             fresh = [(p, group) for group, ps in work for p in ps if self._needs_init(p, group)]
@@ -168,39 +169,42 @@ class FusedOptimizer(InKernelScaling, torch.optim.Optimizer):
                     parts[self._partition_key(p, group)].append(p)
                 plan.append((group, dict(parts)))
             complete = all(len(ps) == len(group["params"]) for group, ps in work) and not fresh
-            self._plan = (self._signature(), plan) if complete else None
-        self._checked = self._plan is not None and plan is self._plan[1]
+            if complete:
+                self.step_plan.store(self.param_groups, plan)
+            else:
+                self.step_plan.drop()
+        self._checked = self.step_plan.parts is plan
         self._before_update(scale_on, inf_on)
         for group, parts in plan:
             if parts:
                 self._update(group, parts, scale_on, inf_on)
         return loss
 
-    # Cached plan: the partitions of the last step, reused while every param of every group has a
-    # grad and state and the groups are the same lists (``len`` and identity of the list and of its
-    # first and last param); ``add_param_group`` and ``load_state_dict`` drop it. A reused plan also
-    # skips the ops' per-tensor Python checks (``checked=True``; the compiled entry points check).
-    _plan: Optional[tuple] = None
+    # Cached plan (:class:`~lightning_amp.optimizers.step_plan.StepPlan`, shared with the kernel step):
+    # the partitions of the last step, reused while every param of every group has a grad and state
+    # and the groups keep their signature; ``add_param_group`` and ``load_state_dict`` drop it. A
+    # reused plan also skips the fallbacks' per-tensor Python checks (``checked=True``; the compiled
+    # ops check every argument in C++ on every call).
     _checked = False
 
-    def _signature(self) -> tuple:
-        return tuple((id(g["params"]), len(g["params"]), id(g["params"][0]) if g["params"] else 0,
-                      id(g["params"][-1]) if g["params"] else 0) for g in self.param_groups)
+    @property
+    def step_plan(self) -> StepPlan:
+        plan = self.__dict__.get("_step_plan")
+        if plan is None:
+            plan = self.__dict__["_step_plan"] = StepPlan()
+        return plan
 
-    def _cached_plan(self) -> Optional[list]:
-        if self._plan is None or self._plan[0] != self._signature():
-            return None
-        for group in self.param_groups:
-            if any(p.grad is None for p in group["params"]):
-                return None
-        return self._plan[1]
+    @property
+    def _plan(self) -> Optional[list]:
+        """The cached partitions (None until a full, clean step built them)."""
+        return self.step_plan.parts
 
     # -- checkpoints ----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, but state tensors keep the dtype the optimizer needs (e.g. fp32 masters of
         bf16 params are not rounded to bf16), step counters become fp32 on the param's device, and
         loaded tensors never alias the given ``state_dict``."""
-        self._plan = None
+        self.step_plan.drop()
         originals = {k: dict(v) for k, v in state_dict["state"].items()}
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         super().load_state_dict(state_dict)

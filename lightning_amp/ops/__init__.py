@@ -1,0 +1,128 @@
+"""The one door to the compiled core ``lightning_amp._C``.
+
+Every op here dispatches to the compiled extension when it is built for the tensors'
+device and falls back to a pure-PyTorch implementation otherwise. The fallback is loud: a
+RuntimeWarning at import names why the extension is not in use (not built, or built but
+failing to load, with the loader's error), and ``lightning-amp info`` prints it.
+Environment switches (read once, at import):
+
+* ``LIGHTNING_AMP_DISABLE_EXT=1`` forces the fallback everywhere (tests compare both paths);
+  it wins over the next one.
+* ``LIGHTNING_AMP_REQUIRE_EXT=1`` turns the fallback into an ImportError: the extension must
+  load, and must have CUDA kernels when torch sees a CUDA device (CI and GPU checks set it).
+* ``LIGHTNING_AMP_WGRAD_CPU_GEMM=auto|onednn|mkl|aten`` pins the CPU GEMM path of
+  :func:`wgrad_gemm_accum_fp32` for 16-bit operands (default ``auto``: measured once per process);
+  any other value is a ValueError naming the variable.
+
+``backend(device)`` tells which implementation serves a device.
+
+Conventions shared by all ops:
+
+* ``found_inf`` is a 0-dim float32 tensor on the tensors' device: 0.0 when every value
+  seen was finite, 1.0 otherwise. Ops that *produce* it overwrite nothing else on overflow
+  that the caller would need to roll back; ops that *consume* it leave every output
+  untouched when it is non-zero. The pure-PyTorch fallbacks honour it without reading it on
+  the host: they update, then put back what they touched where it is set (``torch.where``, at
+  the cost of one copy of the touched tensors).
+* ``grad_scale`` is the loss scale the gradients were multiplied by (the op divides by it).
+* The optimizer ops take DTensors (FSDP2 / DTensor tensor-parallel shards) and update their local
+  shards in place (:func:`local_shards`); norms over whole tensors are the caller's (see
+  ``multi_tensor_lamb``'s ``reduce_norms``).
+
+The pure-PyTorch implementations are also reachable as private functions
+(``_wgrad_fallback``, ``_scale_fallback``, ``_check_finite_fallback``, ``_l2norm_fallback``) so tests
+can compare both.
+
+Layout of the package (everything public is re-exported here):
+
+* :mod:`._ext`: loading the extension, the switches, :func:`backend`;
+* :mod:`._library`: the compiled kernels as torch.library operators ``torch.ops.lightning_amp.*``
+  (schemas with their writes declared, fake kernels), so ``torch.compile`` traces through them;
+  their arguments are checked in C++ only. ``_library.run`` calls the operator under a trace or a
+  dispatch mode and the C++ entry point directly in eager code (no custom-op dispatch cost);
+* :mod:`.wgrad`, :mod:`.multi_tensor`, :mod:`.optim`: the public ops and their fallbacks (which
+  check their own arguments: there is no C++ on that path).
+
+Setting a private attribute here (``ops._EXT = None`` in tests, ``ops._lamb_fallback = ...``) sets
+it in the submodule that defines it, where the ops read it.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+from . import _ext, _library, multi_tensor, optim, wgrad
+from ._ext import (
+    _EXT,
+    _EXT_DTYPES,
+    _EXT_ERROR,
+    _built_extension_files,
+    _check_dense,
+    _ext_accepts,
+    _ext_for,
+    _load_extension,
+    backend,
+    extension_error,
+    extension_module,
+    extension_path,
+    wgrad_cpu_gemm,
+)
+from .multi_tensor import (
+    _check_finite_fallback,
+    _l2norm_fallback,
+    _new_flag,
+    _scale_fallback,
+    multi_tensor_check_finite,
+    multi_tensor_l2norm,
+    multi_tensor_scale,
+)
+from .optim import (
+    _OPT_DTYPES,
+    _DTensor,
+    _adadelta_fallback,
+    _adam_fallback,
+    _check_optim_args,
+    _check_scalar_tensor,
+    _lamb_fallback,
+    _reduced_norms,
+    _sgd_fallback,
+    _store,
+    _torch_fused_grads,
+    _undone_if,
+    _unscaled_fp32,
+    local_shards,
+    multi_tensor_adadelta,
+    multi_tensor_adam,
+    multi_tensor_lamb,
+    multi_tensor_sgd,
+)
+from .wgrad import (
+    _MM_OUT_DTYPE,
+    _check_wgrad_args,
+    _mm_has_out_dtype,
+    _product_fp32,
+    _wgrad_fallback,
+    wgrad_gemm_accum_fp16,
+    wgrad_gemm_accum_fp32,
+)
+
+__all__ = [
+    "backend", "extension_error", "extension_module", "extension_path", "local_shards", "multi_tensor_adadelta",
+    "multi_tensor_adam", "multi_tensor_check_finite", "multi_tensor_l2norm", "multi_tensor_lamb",
+    "multi_tensor_scale", "multi_tensor_sgd", "wgrad_cpu_gemm", "wgrad_gemm_accum_fp16", "wgrad_gemm_accum_fp32",
+]
+
+_SUBMODULES = (_ext, multi_tensor, optim, wgrad)
+
+
+class _OpsPackage(types.ModuleType):
+    """Forwards assignments of names a submodule defines to that submodule (where the ops look them up)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        for module in _SUBMODULES:
+            if name in vars(module):
+                setattr(module, name, value)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _OpsPackage
