@@ -39,7 +39,7 @@ def test_kernel_step_and_fused_optimizers_share_one_plan_class():
     optimizers: built on a step with complete state, reused while the groups keep their signature, rebuilt
     when a group changes (here: a new group)."""
     from lightning_amp.amp.kernel_step import KernelStep
-    from lightning_amp.optimizers.step_plan import StepPlan
+    from lightning_amp.amp.step_plan import StepPlan
 
     ours, ref = _pair()
     opt, ref_opt = torch.optim.Adam(ours[:2], lr=1e-2), torch.optim.Adam(ref[:2], lr=1e-2)

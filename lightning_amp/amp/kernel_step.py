@@ -38,7 +38,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 
 from lightning_amp import ops
-from lightning_amp.optimizers.step_plan import StepPlan
+from lightning_amp.amp.step_plan import StepPlan
 
 KERNEL_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)

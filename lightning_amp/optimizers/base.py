@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp.amp.scaling_protocol import InKernelScaling
-from lightning_amp.optimizers.step_plan import StepPlan
+from lightning_amp.amp.step_plan import StepPlan
 
 
 def check_nonnegative(name: str, value: float) -> None:
@@ -180,7 +180,7 @@ class FusedOptimizer(InKernelScaling, torch.optim.Optimizer):
                 self._update(group, parts, scale_on, inf_on)
         return loss
 
-    # Cached plan (:class:`~lightning_amp.optimizers.step_plan.StepPlan`, shared with the kernel step):
+    # Cached plan (:class:`~lightning_amp.amp.step_plan.StepPlan`, shared with the kernel step):
     # the partitions of the last step, reused while every param of every group has a grad and state
     # and the groups keep their signature; ``add_param_group`` and ``load_state_dict`` drop it. A
     # reused plan also skips the fallbacks' per-tensor Python checks (``checked=True``; the compiled
