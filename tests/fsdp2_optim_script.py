@@ -118,14 +118,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     from lightning_amp import ops
 
-    fallback = ops._lamb_fallback
+    fallback = ops.optim._lamb_fallback
     counted = {"calls": 0}
 
     def counting_fallback(*args, **kwargs):
         counted["calls"] += 1
         return fallback(*args, **kwargs)
 
-    ops._lamb_fallback = counting_fallback
+    ops.optim._lamb_fallback = counting_fallback
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -138,8 +138,8 @@ def test_built_but_unloadable_extension_is_loud(monkeypatch, capsys):
                                              r"import of lightning_amp\._C halted"):
         probe = _fresh_ops_module("lamp_ops_unloadable_probe")
     assert probe.backend("cpu") == "torch"
-    monkeypatch.setattr(ops, "_EXT", None)
-    monkeypatch.setattr(ops, "_EXT_ERROR", probe.extension_error())
+    monkeypatch.setattr(ops._ext, "_EXT", None)
+    monkeypatch.setattr(ops._ext, "_EXT_ERROR", probe.extension_error())
     assert cli.main(["info"]) == 0
     assert "compiled extension: NOT in use: lightning_amp/_C.cpython-311-x86_64-linux-gnu.so is built but failed to " \
            "load: import of lightning_amp._C halted" in capsys.readouterr().out

@@ -154,7 +154,7 @@ def _opt(lst):
     return lst if lst else None
 
 
-# name -> the public op called with the entry point's arguments (its fallback when ops._EXT is None)
+# name -> the public op called with the entry point's arguments (its fallback when ops._ext._EXT is None)
 PUBLIC = {
     "wgrad_gemm_accum_fp32": lambda a: ops.wgrad_gemm_accum_fp32(a["input"], a["grad_output"], a["main_grad"]),
     "wgrad_gemm_accum_fp16": lambda a: ops.wgrad_gemm_accum_fp16(a["input"], a["grad_output"], a["main_grad"]),
@@ -201,7 +201,7 @@ def _fallback_params():
 @pytest.mark.parametrize("name,case,stray", list(_fallback_params()))
 def test_fallback_bad_input_raises_as_the_entry_point(name, case, stray, monkeypatch):
     """The public op on the fallback path (checked in Python) raises what the C++ entry point raises."""
-    monkeypatch.setattr(ops, "_EXT", None)
+    monkeypatch.setattr(ops._ext, "_EXT", None)
     _, breaker, exc, pattern = CASES[case]
     pattern = FALLBACK_PATTERNS.get((case, name), pattern)
     spec = OPS[name]

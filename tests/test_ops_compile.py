@@ -46,7 +46,7 @@ def _compiled_matches_eager(opt_cls, backend, path, monkeypatch, **kwargs):
     if path == "ext" and EXT is None:
         pytest.skip("compiled extension not loaded")
     if path == "fallback":
-        monkeypatch.setattr(ops, "_EXT", None)
+        monkeypatch.setattr(ops._ext, "_EXT", None)
     torch._dynamo.reset()
     ref, ours = _model(), _model()
     ref_opt, opt = opt_cls(ref.parameters(), **kwargs), opt_cls(ours.parameters(), **kwargs)

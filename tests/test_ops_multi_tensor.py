@@ -219,7 +219,7 @@ def test_check_finite_bad_input_same_errors_on_both_paths(path, monkeypatch):
     if path == "ext" and EXT is None:
         pytest.skip("compiled extension not built")
     if path == "fallback":
-        monkeypatch.setattr(ops, "_EXT", None)
+        monkeypatch.setattr(ops._ext, "_EXT", None)
     tensors = _randn_list(SHAPES, [torch.bfloat16, torch.float16, torch.float32] * 2, 5)
     with pytest.raises(TypeError, match=r"tensors\[1\] must be floating point"):
         ops.multi_tensor_check_finite([tensors[0], torch.ones(3, dtype=torch.int64)], torch.zeros(()))

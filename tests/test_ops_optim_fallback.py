@@ -2,7 +2,7 @@
 where they apply, per-tensor loops elsewhere) against the compiled kernels, on the CPU.
 
 Each case runs three steps on the same fresh random inputs through the extension and through
-the fallback (``ops._EXT`` switched off), with a loss scale to divide out, then a step with
+the fallback (``ops._ext._EXT`` switched off), with a loss scale to divide out, then a step with
 found_inf set that must change nothing (params, state, steps and model copies; the fallback without
 reading the flag on the host). fp32 params and state agree to 1e-6 (norm-wise relative over each list:
 a few fp32 roundings of different operation orders); 16-bit ones to one 16-bit eps (the paths
@@ -36,7 +36,7 @@ def _run(op, state_names, kwargs, pdtype, gdtype, copies, use_ext, monkeypatch, 
     model_copies = [p.to(torch.bfloat16) for p in params] if copies else None
     with monkeypatch.context() as m:
         if not use_ext:
-            m.setattr(ops, "_EXT", None)
+            m.setattr(ops._ext, "_EXT", None)
         for step in range(4):
             (grads,) = _lists(1, gdtype, seed + 100 + step)
             grads = [g * 4 for g in grads]

@@ -19,7 +19,7 @@ def path(request, monkeypatch):
         if ops.backend("cpu") != "cpu-ext":
             pytest.skip("compiled extension not built")
     else:
-        monkeypatch.setattr(ops, "_EXT", None)
+        monkeypatch.setattr(ops._ext, "_EXT", None)
     return request.param
 
 
@@ -219,7 +219,7 @@ def test_extension_matches_fallback(name, dtype, monkeypatch):
         _set_grads(b, grads)
         oa.step(grad_scale=torch.tensor(8.0))
         with monkeypatch.context() as m:
-            m.setattr(ops, "_EXT", None)
+            m.setattr(ops._ext, "_EXT", None)
             ob.step(grad_scale=torch.tensor(8.0))
         for x, y, y0 in zip(a, b, before):
             _assert_same_rounding(x.detach(), y.detach(), f"step {i} param", fp32_rtol, ties,
@@ -339,7 +339,7 @@ def test_lamb_two_passes_use_the_reduced_norms(pdtype, copies, path, monkeypatch
     "4 shards" of equal norm (x4 squared) give the one-call result at twice the lr (trust ratio x2); with
     found_inf set nothing changes and the reduction still runs (every rank joins the all-reduce)."""
     if path == "ext":
-        monkeypatch.setattr(ops, "_lamb_fallback", lambda *a, **k: pytest.fail("sharded LAMB left the kernels"))
+        monkeypatch.setattr(ops.optim, "_lamb_fallback", lambda *a, **k: pytest.fail("sharded LAMB left the kernels"))
     calls = []
 
     def unchanged(squares):
@@ -757,7 +757,7 @@ def test_compiled_entry_points_check_their_arguments():
     """_C is reachable directly too: its own checks raise clear errors (apex checks none)."""
     if ops.backend("cpu") != "cpu-ext":
         pytest.skip("compiled extension not built")
-    ext = ops._EXT
+    ext = ops._ext._EXT
     a = _adam_lists()
     hyper = (1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, None, None)
     with pytest.raises(ValueError, match="grads has 2 tensors but params has 3"):

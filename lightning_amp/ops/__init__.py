@@ -43,19 +43,14 @@ Layout of the package (everything public is re-exported here):
 * :mod:`.wgrad`, :mod:`.multi_tensor`, :mod:`.optim`: the public ops and their fallbacks (which
   check their own arguments: there is no C++ on that path).
 
-Setting a private attribute here (``ops._EXT = None`` in tests, ``ops._lamb_fallback = ...``) sets
-it in the submodule that defines it, where the ops read it.
+A private attribute is patched where it is read: ``ops._ext._EXT = None`` switches the extension off,
+``ops.optim._lamb_fallback = ...`` replaces a fallback.
 """
 from __future__ import annotations
 
-import sys
-import types
-
 from . import _ext, _library, multi_tensor, optim, wgrad
 from ._ext import (
-    _EXT,
     _EXT_DTYPES,
-    _EXT_ERROR,
     _built_extension_files,
     _check_dense,
     _ext_accepts,
@@ -111,18 +106,3 @@ __all__ = [
     "multi_tensor_adam", "multi_tensor_check_finite", "multi_tensor_l2norm", "multi_tensor_lamb",
     "multi_tensor_scale", "multi_tensor_sgd", "wgrad_cpu_gemm", "wgrad_gemm_accum_fp16", "wgrad_gemm_accum_fp32",
 ]
-
-_SUBMODULES = (_ext, multi_tensor, optim, wgrad)
-
-
-class _OpsPackage(types.ModuleType):
-    """Forwards assignments of names a submodule defines to that submodule (where the ops look them up)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        for module in _SUBMODULES:
-            if name in vars(module):
-                setattr(module, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _OpsPackage
