@@ -6,7 +6,7 @@ shared machine disturb it less than wall time; the minimum over interleaved roun
 1. per op: ``linear``/``layer_norm``/add on tiny half tensors, plain vs inside ``torch.autocast``;
 2. the host-cost probe: 48 blocks of Linear(16, 16) -> LayerNorm -> GELU, batch 4, forward and
    backward of a half model, no context vs default dtype vs default dtype + autocast;
-3. one forward + backward of each model of ``tests/test_third_party_models.py`` (cast to half,
+3. one forward + backward of each model of ``tests/precision/test_third_party_models.py`` (cast to half,
    BatchNorm fp32), default dtype vs default dtype + autocast.
 
     python benchmarks/bench_forward_context.py [--dtype bfloat16|float16] [--rounds 25]

@@ -6,12 +6,36 @@ a flag lands only when waited for or ``LATE_STEPS`` steps later, through
 ``LIGHTNING_AMP_SIMULATE_DEVICE_LAG``, see :mod:`lightning_amp.amp.gate`). The variable is in the
 environment, so processes a test spawns (DDP ranks) run late too. On CUDA the flags of real
 device steps land late anyway; the simulation only holds them back further.
+
+The tests are laid out like the package (``tests/amp/``, ``tests/parallel/``, ...); the helpers they share
+(``_lightning.py``, ``_net.py``) stay here, and this folder goes on ``sys.path`` so any test module, in any
+subfolder, imports them as ``from _net import free_port`` however pytest was started.
 """
+import os
+import sys
+
 import pytest
 
 from lightning_amp.amp.gate import LAG_ENV
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
 LATE_STEPS = 2
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Each test starts from the environment the session started with: a Trainer run in this process leaves
+    Lightning's ``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_PORT``/``PL_GLOBAL_SEED`` in ``os.environ``, and a
+    process started later with that environment (a 2-rank docs block) would take itself for an already
+    launched rank and wait for a peer that never comes. Tests then pass in any order."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(params=["immediate", "late"])

@@ -11,7 +11,7 @@ forward is entered on the calling thread (:func:`forward`): norms run in their i
 half copies of their weights, the fp32-list math runs on its inputs as they come, embeddings and
 Parameters combined with half tensors are cast to half, and losses stay fp32. On every other thread,
 and on this one outside O2's forward, each kernel is exactly torch's own (the table and the comparison
-are in ``tests/test_o2_policy.py``).
+are in ``tests/amp/test_o2_policy.py``).
 
 Lifetime: :func:`hold` registers the kernels (reference counted across holders) and returns a
 :class:`PolicyHold` whose :meth:`~PolicyHold.release` removes them once the last holder releases, so

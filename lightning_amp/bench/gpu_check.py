@@ -10,7 +10,7 @@ subprocess with its own timeout (default :data:`PART_TIMEOUT_S`), its output in 
   -e .``, as on an offline GPU machine) unless the compiled extension already loads with CUDA kernels;
 - ``suite``: the whole test suite with ``LIGHTNING_AMP_REQUIRE_EXT=1`` (pytest-xdist workers where it is
   installed; ``GPU_CHECK_SUITE_WORKERS=0`` runs it serially);
-- ``sync``: the CUDA sync-debug tests (``tests/test_precision_sync.py -m cuda``);
+- ``sync``: the CUDA sync-debug tests (``tests/precision/test_precision_sync.py -m cuda``);
 - ``optim``: ``benchmarks/bench_optim.py --device cuda`` (AdamW, scale, l2norm, copy);
 - ``wgrad``: ``benchmarks/bench_wgrad.py --device cuda``;
 - ``bench``: ``lightning-amp bench --accelerator cuda`` on BERT-base (seq 128, batch 256, 300 steps) at
@@ -23,7 +23,7 @@ subprocess with its own timeout (default :data:`PART_TIMEOUT_S`), its output in 
 The report (``gpu-check.md``, ``gpu-check.json``) is written from every ``part-*.json`` in DIR, so
 parts run by separate calls into one folder (or copied into one) make one report. Exit status: 1 when
 a verdict is FAIL, else 0. Without a CUDA GPU nothing is measured: it says so, runs its own plumbing
-test (``tests/test_gpu_check.py``) on the CPU, writes a report of NOT RUN verdicts and exits with that
+test (``tests/bench/test_gpu_check.py``) on the CPU, writes a report of NOT RUN verdicts and exits with that
 test's status (0 when the plumbing works).
 """
 from __future__ import annotations
@@ -167,7 +167,7 @@ def _part_suite(run, raw):
 
 
 def _part_sync(run, raw):
-    run(_pytest(["tests/test_precision_sync.py", "-m", "cuda"], raw / "sync.xml"))
+    run(_pytest(["tests/precision/test_precision_sync.py", "-m", "cuda"], raw / "sync.xml"))
     return {"junit": parse_junit(raw / "sync.xml")}
 
 
@@ -258,7 +258,7 @@ def run_part(name: str, out: Path, raw: Path, timeout_s: float) -> dict:
 
 def run_plumbing_test() -> int:
     """The CPU test of the report builder and of this no-GPU path; returns pytest's exit status."""
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_check.py"]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/bench/test_gpu_check.py"]
     print("gpu-check: checking its own plumbing on the CPU:", shlex.join(argv), flush=True)
     return subprocess.run(argv, cwd=ROOT, env=child_env(require_ext=False)).returncode
 

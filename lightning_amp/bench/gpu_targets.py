@@ -8,7 +8,7 @@ ran but lacks the figure (it crashed, timed out, a run failed, or its file canno
 ``FAIL``, and so does a figure that is not a finite number (a time or a size that is not positive, a
 ratio that overflows) and a test suite in which no test passed. Ratios are taken within one part's run
 (or two bench parts of the same device), never across devices. The thresholds are those of the table
-in docs/benchmarks.md, which ``tests/test_gpu_check.py`` holds against :data:`TARGETS`.
+in docs/benchmarks.md, which ``tests/bench/test_gpu_check.py`` holds against :data:`TARGETS`.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ After ``fit``/``validate``/``predict`` Lightning's precisions leave a plain ``nn
 ``torch.jit.script`` (``to_torchscript``), ``torch.export``, deep copies and ``torch.save`` loaded
 where lightning_amp is not installed all work, and a direct call gives what the checkpoint reloaded
 into the plain model gives. Ours must too (:mod:`lightning_amp.amp.release`), and a second run with
-the same plugin must prepare the model again. The model: tests/_after_fit_model.py (BatchNorm, a
+the same plugin must prepare the model again. The model: tests/precision/_after_fit_model.py (BatchNorm, a
 projection buffer, a tensor made inside forward, a torchmetrics metric).
 """
 import copy

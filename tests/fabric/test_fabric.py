@@ -18,7 +18,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_amp import AmpO2Plugin
 from lightning_amp.fabric import FabricAmpO2Precision, FabricAmpPrecision
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import fabric_tiny_gpt as gpt  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Standalone run for tests/test_fsdp2.py (not a test module itself): O2 checkpoints under FSDP2.
+"""Standalone run for tests/precision/test_fsdp2.py (not a test module itself): O2 checkpoints under FSDP2.
 
 Usage: python fsdp2_resume_script.py OUT_DIR
 

@@ -21,7 +21,7 @@ from lightning_amp.fabric import FabricAmpPrecision
 from lightning_amp.parallel.main_grad import MainGradBuffer
 from _net import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fabric(precision, **amp):
@@ -151,13 +151,13 @@ def test_gan_second_optimizer_unscales_its_first_step(level):
 
 def test_tp_fused_main_grad_follows_zero_grad_and_each_optimizers_step(tmp_path):
     """Fabric(strategy="tp_fused", devices=2) (TP=2, fused wgrad into main_grad), the tiny GPT with two SGD optimizers
-    over disjoint params sharing one main_grad buffer, against a plain fp32 loop (tests/fabric_tp_grads_script.py):
+    over disjoint params sharing one main_grad buffer, against a plain fp32 loop (tests/fabric/fabric_tp_grads_script.py):
     zero_grad() without a step drops those grads, two backwards before a step sum, one optimizer's step leaves the
     other's grads. Measured 1.2e-7 from the plain loop; before, 4.7e-2 / 5.5e-2 / 5.5e-2."""
     env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "GROUP_RANK")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    script = [sys.executable, str(ROOT / "tests" / "fabric_tp_grads_script.py"), str(tmp_path)]
+    script = [sys.executable, str(Path(__file__).with_name("fabric_tp_grads_script.py")), str(tmp_path)]
     procs = [subprocess.Popen(script, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     logs = [p.communicate(timeout=600)[0] for p in procs]

@@ -1,4 +1,4 @@
-"""One rank of tests/test_fabric_tp.py: trains examples/fabric_tiny_gpt.py once per entry of a JSON list
+"""One rank of tests/fabric/test_fabric_tp.py: trains examples/fabric_tiny_gpt.py once per entry of a JSON list
 ``[[name, [args...]], ...]`` in this process (a new Fabric each time, the process group reused) and saves
 each result as ``<out>/<name>.rank<r>.pt``. The test starts the ranks as torchrun would (LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR/PORT in the environment), so Fabric launches nothing itself."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import fabric_tiny_gpt as gpt  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Standalone run for tests/test_precision_ddp.py (not a test module itself).
+"""Standalone run for tests/precision/test_precision_ddp.py (not a test module itself).
 
 Usage: python ddp_graph_script.py OUT_DIR
 

@@ -1,4 +1,4 @@
-"""One rank of tests/test_fabric_world.py's tp_fused test: the tiny GPT of examples/fabric_tiny_gpt.py with two
+"""One rank of tests/fabric/test_fabric_world.py's tp_fused test: the tiny GPT of examples/fabric_tiny_gpt.py with two
 SGD optimizers over disjoint params (the blocks; the embeddings, final norm and head) that share one fp32
 ``main_grad`` buffer, under ``Fabric(strategy="tp_fused", precision="32-true")`` and, in the same process, a plain
 fp32 loop on the unconverted model. Per pattern (see PATTERNS) it saves both models' full weights as
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import fabric_tiny_gpt as gpt  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Standalone run for tests/test_precision_ddp.py (not a test module itself).
+"""Standalone run for tests/precision/test_precision_ddp.py (not a test module itself).
 
 Usage: python precision_ddp_script.py OUT_DIR DEVICES
 Trains a tiny model under AmpO2Plugin(float16) with accumulate_grad_batches=2. With 2 devices

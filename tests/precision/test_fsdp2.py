@@ -23,7 +23,7 @@ from lightning_amp import AmpO2Plugin, ops
 from _net import free_port
 
 HERE = Path(__file__).parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 INF_STEP = 2
 
 

@@ -25,7 +25,7 @@ from lightning_amp.amp import o2_policy
 from lightning_amp.fabric import FabricAmpO2Precision, FabricAmpPrecision, TensorParallelStrategy
 from _net import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import fabric_tiny_gpt as gpt  # noqa: E402
 
@@ -36,11 +36,11 @@ LEVELS = ("O1", "O2", "O3")
 
 
 def _launch(out: Path, runs: list) -> dict:
-    """Both ranks of tests/fabric_tp_script.py, started as torchrun would; {name: (rank0, rank1) results}."""
+    """Both ranks of tests/fabric/fabric_tp_script.py, started as torchrun would; {name: (rank0, rank1) results}."""
     env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "GROUP_RANK")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    script = [sys.executable, str(ROOT / "tests" / "fabric_tp_script.py"), str(out), json.dumps(runs)]
+    script = [sys.executable, str(Path(__file__).with_name("fabric_tp_script.py")), str(out), json.dumps(runs)]
     procs = [subprocess.Popen(script, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     logs = [p.communicate(timeout=600)[0] for p in procs]

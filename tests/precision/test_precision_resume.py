@@ -145,7 +145,7 @@ FORMER_DESIGN = pathlib.Path(__file__).parent / "data" / "o2_former_design.ckpt"
 
 
 def test_checkpoint_of_the_former_o2_design_resumes_with_its_fp32_masters(tmp_path):
-    """tests/data/o2_former_design.ckpt was saved by the former O2 design (main at 260711c: half module
+    """tests/precision/data/o2_former_design.ckpt was saved by the former O2 design (main at 260711c: half module
     params, private fp32 masters written over the state_dict) after one epoch of ``Net`` with
     ``AmpO2Plugin(dtype="bfloat16")``. It loads: the module's fp32 params take the master values
     bit for bit (not their bf16 rounding) and the optimizer its fp32 state."""

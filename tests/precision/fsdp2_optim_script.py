@@ -1,4 +1,4 @@
-"""Standalone run for tests/test_fsdp2.py (not a test module itself): fused optimizers on FSDP2 params.
+"""Standalone run for tests/precision/test_fsdp2.py (not a test module itself): fused optimizers on FSDP2 params.
 
 Usage: python fsdp2_optim_script.py OUT_DIR   (starts 2 gloo processes on CPU itself)
 
@@ -163,6 +163,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    from _net import free_port  # noqa: E402  (tests/ is this script's directory)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, where _net.py is
+    from _net import free_port  # noqa: E402
 
     mp.start_processes(_worker, args=(free_port(), sys.argv[1]), nprocs=2, start_method="spawn")

@@ -25,7 +25,7 @@ def _run(out_dir: Path, devices: int, script: Path = SCRIPT) -> None:
         env.pop(key, None)
     env["MASTER_ADDR"] = "127.0.0.1"
     # the ranks import this checkout's lightning_amp, not whichever one the environment has installed
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2])] + [p for p in [env.get("PYTHONPATH")] if p])
     with socket.socket() as sock:  # a free port for this run
         sock.bind(("127.0.0.1", 0))
         env["MASTER_PORT"] = str(sock.getsockname()[1])

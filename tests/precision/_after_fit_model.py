@@ -1,4 +1,4 @@
-"""The LightningModule of tests/test_after_fit.py, in its own module so a process that never imports
+"""The LightningModule of tests/precision/test_after_fit.py, in its own module so a process that never imports
 lightning_amp (or the test) can unpickle it."""
 import lightning as L
 import torch

@@ -1,4 +1,4 @@
-"""Standalone run for tests/test_fsdp2.py (not a test module itself).
+"""Standalone run for tests/precision/test_fsdp2.py (not a test module itself).
 
 Usage: python fsdp2_script.py OUT_DIR LAYOUT PRECISION[,PRECISION...] [INF_STEP]
 

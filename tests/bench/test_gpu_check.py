@@ -20,7 +20,7 @@ from lightning_amp.bench.gpu_report import load_parts, write_report
 from lightning_amp.bench.gpu_targets import FAIL, NOT_RUN, PASS, TARGETS, evaluate
 from lightning_amp.bench.report import JSON_KEYS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU = "NVIDIA H100 80GB HBM3"
 MODES = ("fp32", "master", "bf16")
 
