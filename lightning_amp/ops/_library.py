@@ -187,9 +187,8 @@ lamp = getattr(torch.ops, _NS)
 def run(name: str, *args):
     """Call kernel ``name``: through its operator ``torch.ops.lightning_amp.<name>`` under a trace
     (``torch.compile``, export, or any active dispatch mode such as a fake-tensor mode), else straight
-    into the C++ entry point. Both check the arguments in C++; the eager shortcut skips the ~0.3 ms of
-    Python a custom op's dispatch costs per call (measured on this repository's 2-core CPU machine),
-    which a fused optimizer step pays once per (group, device, dtype)."""
+    into the C++ entry point. Both check the arguments in C++; the eager shortcut skips the Python of a
+    custom op's dispatch, which a fused optimizer step would pay once per (group, device, dtype)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return getattr(lamp, name)(*args)
     return getattr(_ext_module(), name)(*args)
