@@ -20,7 +20,6 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_amp.amp.levels import AmpProperties
 from lightning_amp.amp.param_views import optimizer_grads, param_name
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.amp.scaling_protocol import unscales_in_step
@@ -44,17 +43,23 @@ def root_scale_limit(dtype: torch.dtype) -> Optional[float]:
 class AmpEngine:
     """The per-model mixed-precision state (see the module docstring).
 
+    The engine holds no copy of the opt level: its owner (:class:`~lightning_amp.amp.runtime.AmpRuntime`)
+    resolves the level, possibly again when the device becomes known, and the two callables read it then.
+
     Args:
-        properties: the resolved opt level (the plugin may replace it before :meth:`connect`).
-        new_scaler: makes the LossScaler of one optimizer.
+        new_scaler: makes the LossScaler of one optimizer (at the level current when it is called).
+        check_optimizer: ``check_optimizer(index, optimizer)`` raises ValueError for an optimizer the level
+            cannot step (e.g. LBFGS under loss scaling), before it is connected.
         combine_grad, fused_update: as :class:`OptimizerStep`.
         warn: how warnings are issued (the plugin passes a rank-zero warn).
     """
 
-    def __init__(self, properties: AmpProperties, new_scaler: Callable[[], LossScaler], combine_grad: bool = False,
-                 fused_update: bool = True, warn: Callable[[str], None] = warnings.warn) -> None:
-        self.properties = properties
+    def __init__(self, new_scaler: Callable[[], LossScaler],
+                 check_optimizer: Callable[[int, torch.optim.Optimizer], None] = lambda index, optimizer: None,
+                 combine_grad: bool = False, fused_update: bool = True,
+                 warn: Callable[[str], None] = warnings.warn) -> None:
         self._new_scaler = new_scaler
+        self._check_optimizer = check_optimizer
         self.combine_grad, self.fused_update = combine_grad, fused_update
         self.warn = warn
         self._scalers: List[LossScaler] = []
@@ -138,15 +143,6 @@ class AmpEngine:
             self.load_scaler_states(state_dict)
         else:
             self._pending_state = state_dict  # applied when connect() creates the scalers
-
-    def _check_optimizer(self, index: int, optimizer: torch.optim.Optimizer) -> None:
-        props = self.properties
-        if isinstance(optimizer, torch.optim.LBFGS) and props.scaling_enabled:
-            raise ValueError(
-                f"optimizers[{index}] ({type(optimizer).__name__}) re-evaluates its closure inside step() and cannot "
-                f"be used with loss scaling (opt_level={props.opt_level}, loss_scale={props.loss_scale!r}). "
-                "Allowed: loss_scale=1.0 (e.g. O0, O3, or O1/O2 with bfloat16)."
-            )
 
     def _warn_on_vanishing_eps(self, index: int, optimizer: torch.optim.Optimizer) -> None:
         """A half param stepped directly (no master) with an ``eps`` that is 0 in its dtype divides by zero."""

@@ -96,7 +96,7 @@ class AmpRuntime:
         self.combine_grad, self.fused_update, self.warn = combine_grad, fused_update, warn
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         self.properties = self._resolve(self.device_type)
-        self.engine = AmpEngine(self.properties, self.new_scaler, combine_grad, fused_update, warn=warn)
+        self.engine = AmpEngine(self.new_scaler, self.check_optimizer, combine_grad, fused_update, warn=warn)
         self.module: Optional[Module] = None  # the model prepare() cast, until release()
         self._policy: Optional[PolicyHold] = None  # O2's op policy held from prepare() to release()
         self._policy_per_forward = False
@@ -115,11 +115,21 @@ class AmpRuntime:
         if device_type != self.device_type:
             self.device_type = device_type
             self.properties = self._resolve(device_type)
-            self.engine.properties = self.properties
 
     def new_scaler(self) -> LossScaler:
         """A fresh LossScaler for the level (one per optimizer)."""
         return LossScaler(self.properties.loss_scale, **self.scaler_kwargs)
+
+    def check_optimizer(self, index: int, optimizer: torch.optim.Optimizer) -> None:
+        """ValueError naming ``optimizers[index]`` when the level cannot step it: LBFGS re-evaluates its
+        closure inside ``step()``, which loss scaling cannot wrap."""
+        props = self.properties
+        if isinstance(optimizer, torch.optim.LBFGS) and props.scaling_enabled:
+            raise ValueError(
+                f"optimizers[{index}] ({type(optimizer).__name__}) re-evaluates its closure inside step() and cannot "
+                f"be used with loss scaling (opt_level={props.opt_level}, loss_scale={props.loss_scale!r}). "
+                "Allowed: loss_scale=1.0 (e.g. O0, O3, or O1/O2 with bfloat16)."
+            )
 
     @property
     def loss_scale(self) -> float:
@@ -217,6 +227,10 @@ class AmpRuntime:
     def connect(self, optimizers: List[torch.optim.Optimizer], param_names: Dict[Tensor, List[str]]) -> None:
         """A scaler and a step for every optimizer (``param_names``: param -> its names, for messages)."""
         self.engine.connect(optimizers, param_names)
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+        """Connect one more optimizer (Fabric's plugin connects each the first time it sees it)."""
+        return self.engine.add_optimizer(optimizer)
 
     def state_of(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
         """The step of ``optimizer`` (wrapped or not); one not connected gets a scaler of its own."""

@@ -98,7 +98,7 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
             if state.optimizer is optimizer:
                 return state
         saved = optimizer.param_groups[0].pop(_STATE_KEY, None) if optimizer.param_groups else None
-        state = self.amp.engine.add_optimizer(optimizer)
+        state = self.amp.add_optimizer(optimizer)
         if saved is not None:
             self._restore(state, saved)
         optimizer.register_state_dict_post_hook(self._scaler_into_optimizer_state)

@@ -128,7 +128,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
                                     before_main_grad=lambda: self._setup_optimizers_and_precision(trainer, fitting),
                                     main_grad=fitting)
         if fitting:
-            self._patch_gradient_clipping()
+            self._install_gradient_clipping()
 
     def _precision_prepare(self, _module: Any) -> None:
         """Step 3 of the setup: the precision plugin casts the converted module."""
@@ -143,14 +143,21 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
 
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _patch_gradient_clipping(self) -> None:
-        """Norm-based clipping must see the full model's norm: sharded params summed over TP."""
-        runtime = self.runtime
+    def _install_gradient_clipping(self) -> None:
+        """Norm clipping must see the whole model's norm (shards summed over TP). Lightning's Trainer has the
+        precision plugin clip and gives a strategy no hook there, so for this run the plugin's
+        ``clip_grad_by_norm`` is :meth:`clip_grad_by_norm` (an instance attribute, removed at teardown)."""
+        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm
 
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-            runtime.clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], clip_val)
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        """Clip ``optimizer``'s (unscaled) grads to ``clip_val`` by the norm of the whole (unsharded) model."""
+        self.runtime.clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], clip_val)
 
-        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+    def teardown(self) -> None:
+        """The precision plugin handed back as it came (its own clipping), then the mixin's teardown."""
+        if self._precision_plugin is not None:
+            vars(self._precision_plugin).pop("clip_grad_by_norm", None)
+        super().teardown()
 
     # ------------------------------------------------------------------ backward and step
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:

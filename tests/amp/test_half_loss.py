@@ -142,7 +142,7 @@ def test_scale_loss_multiplies_in_fp32_and_caps_the_factor_of_a_half_loss(static
     """The scaled loss is fp32 and the gradient it hands a float16 loss is finite; the grads carry the
     capped factor, and the scaler's scale is untouched."""
     props = resolve_properties("O1", dtype="float16", loss_scale="dynamic" if static is None else static)
-    engine = AmpEngine(props, lambda: LossScaler(props.loss_scale))
+    engine = AmpEngine(lambda: LossScaler(props.loss_scale))
     weight = torch.nn.Parameter(torch.randn(8, 4))
     optimizer = torch.optim.SGD([weight], lr=0.1)
     engine.connect([optimizer], {weight: ["weight"]})

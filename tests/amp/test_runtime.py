@@ -72,3 +72,16 @@ def test_level_classes_come_from_the_level_table(level):
         assert cls().properties.opt_level == level
         with pytest.raises(TypeError, match=f"{cls.__name__} fixes the opt level; use {base.__name__}\\(opt_level"):
             cls(opt_level="O1")
+
+
+def test_the_level_resolved_for_the_device_makes_the_scalers_and_checks_the_optimizers():
+    runtime = AmpRuntime("O1", dtype="float16", device_type="cuda")
+    assert runtime.properties.scaling_enabled and runtime.new_scaler().static_scale is None
+    weight = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match=r"optimizers\[0\] \(LBFGS\).*opt_level=O1"):
+        runtime.add_optimizer(torch.optim.LBFGS([weight]))
+    bf16 = AmpRuntime("O1", device_type="cuda")
+    bf16.resolve_for("cpu")  # dtype "auto" on the CPU: bfloat16, no loss scaling
+    assert bf16.properties.dtype == torch.bfloat16 and not bf16.properties.scaling_enabled
+    state = bf16.add_optimizer(torch.optim.LBFGS([weight]))
+    assert state.scaler.static_scale == 1.0 and bf16.engine.scalers == [state.scaler]

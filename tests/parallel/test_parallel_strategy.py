@@ -124,6 +124,29 @@ def test_tp2_matches_single_device_and_checkpoint_reshards(tmp_path):
     torch.testing.assert_close(model(probe_tokens()).detach(), expected, rtol=1e-4, atol=1e-4)
 
 
+class _CountingStrategy(TensorParallelStrategy):
+    clips = 0
+
+    def clip_grad_by_norm(self, optimizer, clip_val):
+        self.clips += 1
+        super().clip_grad_by_norm(optimizer, clip_val)
+
+
+@pytest.mark.parametrize("plugin", [pl.plugins.precision.MixedPrecision("bf16-mixed", "cpu"), lightning_amp.AmpO2Plugin()],
+                         ids=["bf16-mixed", "O2"])
+def test_norm_clipping_goes_through_the_strategy_for_the_run_only(plugin):
+    os.environ["MASTER_PORT"] = str(free_port())
+    strategy = _CountingStrategy()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin], max_steps=3,
+                         gradient_clip_val=1e-3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(TinyTransformer(), DataLoader(dataset(), batch_size=2))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert strategy.clips == 3
+    assert "clip_grad_by_norm" not in vars(plugin)  # the plugin clips on its own again after the run
+
+
 def test_tp1_dp2_matches_ddp_with_accumulation(tmp_path):
     ddp, ours = tmp_path / "ddp", tmp_path / "ours"
     ddp.mkdir(), ours.mkdir()
