@@ -20,6 +20,13 @@ is already identical on every rank).
 ``group=None`` means the default group; with torch.distributed not initialised, or a group
 of size 1, every op is the identity. ``seq_dim`` is the sequence dimension (0 for Megatron's
 ``[s, b, h]`` layout, 1 for batch-first ``[b, s, h]``).
+
+Under ``torch.compile`` (:func:`tracing`) the collectives are torch's traceable functional ones
+(``torch.distributed._functional_collectives``: out of place, each followed by its ``wait_tensor`` in
+the graph, which the compiler may move), so forward and backward of every pair trace into the graph
+without a break; eager calls run the c10d collectives exactly as before. A trace has no work handles:
+there :func:`all_reduce` with ``async_op=True`` and :func:`reduce_scatter_along` refuse, and callers
+take :func:`all_reduce_value` and :func:`reduce_scatter_value`.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from lightning_amp.parallel.groups import group_rank, group_size
@@ -36,11 +44,42 @@ from lightning_amp.parallel.groups import group_rank, group_size
 # ----------------------------------------------------------------------------------------
 
 
+def tracing() -> bool:
+    """Whether dynamo is tracing the caller (``torch.compile``): the collectives are then functional."""
+    return torch.compiler.is_compiling()
+
+
+def _traced_group(group: Any) -> Any:
+    """``group`` as the functional collectives take it (they have no default group)."""
+    return dist.group.WORLD if group is None else group
+
+
 def all_reduce(x: Tensor, group: Any, async_op: bool = False):
-    """Sum ``x`` in place over ``group``; returns the work handle when ``async_op`` (else None)."""
+    """Sum ``x`` in place over ``group``; returns the work handle when ``async_op`` (else None).
+
+    Under a trace: the functional all-reduce copied back into ``x`` (``async_op`` refused, see
+    :func:`all_reduce_value`)."""
     if group_size(group) == 1:
         return None
+    if tracing():
+        if async_op:
+            raise RuntimeError("comm.all_reduce: async_op=True cannot be traced; use all_reduce_value")
+        x.copy_(funcol.all_reduce(x, "sum", _traced_group(group)))
+        return None
     return dist.all_reduce(x, group=group, async_op=async_op)
+
+
+def all_reduce_value(x: Tensor, group: Any) -> Tensor:
+    """The sum of ``x`` over ``group`` as a new tensor (``x`` itself when the group has one rank).
+
+    Eager: a copy of ``x`` summed in place. Under a trace: the functional all-reduce."""
+    if group_size(group) == 1:
+        return x
+    if tracing():
+        return funcol.all_reduce(x, "sum", _traced_group(group))
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def split_along(x: Tensor, dim: int, group: Any) -> Tensor:
@@ -59,6 +98,8 @@ def gather_along(x: Tensor, dim: int, group: Any) -> Tensor:
     if size == 1:
         return x
     x = x.contiguous()
+    if tracing():
+        return funcol.all_gather_tensor(x, dim, _traced_group(group))
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
@@ -68,13 +109,16 @@ def reduce_scatter_along(x: Tensor, dim: int, group: Any, async_op: bool = False
     """Sum ``x`` over ``group`` and keep this rank's chunk along ``dim``.
 
     Returns ``(out, handle)``; when ``async_op`` the caller must ``handle.wait()`` before reading
-    ``out`` and then take ``finish_reduce_scatter(out, dim)``.
+    ``out`` and then take ``finish_reduce_scatter(out, dim)``. Not under a trace: see
+    :func:`reduce_scatter_value`.
     """
     size = group_size(group)
     if size == 1:
         return x, None
     if x.shape[dim] % size != 0:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} evenly over {size} ranks")
+    if tracing():
+        raise RuntimeError("comm.reduce_scatter_along cannot be traced; use reduce_scatter_value")
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     handle = dist.reduce_scatter_tensor(out, moved, group=group, async_op=async_op)
@@ -101,9 +145,19 @@ def finish_reduce_scatter(out: Tensor, dim: int) -> Tensor:
     return out.movedim(0, dim)
 
 
-def _reduce_scatter_sync(x: Tensor, dim: int, group: Any) -> Tensor:
+def reduce_scatter_value(x: Tensor, dim: int, group: Any) -> Tensor:
+    """This rank's chunk along ``dim`` of the sum of ``x`` over ``group`` (``x`` itself for one rank).
+
+    Eager: the synchronous :func:`reduce_scatter_along`. Under a trace: the functional reduce-scatter."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if tracing():
+        if x.shape[dim] % size != 0:
+            raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} evenly over {size} ranks")
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, _traced_group(group))
     out, _ = reduce_scatter_along(x, dim, group)
-    return out if group_size(group) == 1 else finish_reduce_scatter(out, dim)
+    return finish_reduce_scatter(out, dim)
 
 
 # ----------------------------------------------------------------------------------------
@@ -119,17 +173,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        all_reduce(grad, ctx.group)
-        return grad, None
+        return all_reduce_value(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        out = x.clone()
-        all_reduce(out, group)
-        return out
+        return all_reduce_value(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -178,7 +228,7 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.tp_out_grad:
-            return _reduce_scatter_sync(grad, ctx.seq_dim, ctx.group), None, None, None
+            return reduce_scatter_value(grad, ctx.seq_dim, ctx.group), None, None, None
         return split_along(grad, ctx.seq_dim, ctx.group), None, None, None
 
 
@@ -186,7 +236,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, seq_dim):
         ctx.group, ctx.seq_dim = group, seq_dim
-        return _reduce_scatter_sync(x, seq_dim, group)
+        return reduce_scatter_value(x, seq_dim, group)
 
     @staticmethod
     def backward(ctx, grad):

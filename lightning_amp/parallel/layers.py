@@ -20,6 +20,10 @@ attribute (``main_grad`` attached by hand) receives no gradient. The dummy is ze
 holds a ``.grad`` (autograd adds into it in place) or anomaly detection is on, uninitialised memory
 otherwise (the hook drops it unread).
 
+Under ``torch.compile`` the same function traces without a graph break (its backward has no Python side
+effect: ``main_grad`` is a tensor input, the collectives are functional, no flag is set; see
+:class:`LinearWithAsyncGradComm` and :meth:`_ParallelLinearBase._gemm`); eager calls take the path above.
+
 Sharded weights carry ``tensor_model_parallel = True``, ``partition_dim`` (0 column, 1 row) and a
 :class:`ShardLayout` (``shard_layout``) that maps between the shard and the *original* module's tensor
 (which may be transposed, as GPT-2's ``Conv1D``, or a fused ``[q; k; v]`` split per chunk);
@@ -90,12 +94,23 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
     ``dgrad_comm``: "none" | "all_reduce" | "reduce_scatter" applied to grad_input over ``group``;
     ``sequence_parallel``: all-gather ``x`` along ``seq_dim`` in forward (the reduce-scatter of
     grad_input is then the adjoint). Under autocast the GEMM runs in the autocast dtype.
-    ``param``: the layer's registered weight Parameter, whose ``main_grad`` takes the fused wgrad
-    (``weight`` is what forward reads: the same Parameter, or FSDP2's all-gathered one).
+
+    Eager: ``param`` is the layer's registered weight Parameter, whose ``main_grad`` (read in backward)
+    takes the fused wgrad (``weight`` is what forward reads: the same Parameter, or FSDP2's all-gathered
+    one), and ``main_grad`` is None. Under ``torch.compile`` (:meth:`_ParallelLinearBase._gemm`)
+    ``param`` is None (dynamo refuses one tensor passed twice, and a trace makes no Python side effects
+    in backward): ``main_grad`` is then the tensor the fused wgrad accumulates into, a graph input
+    whose mutation the wgrad operator declares, or None with ``fusion`` on for a weight whose
+    ``main_grad`` has an owner (a :class:`MainGradBuffer`): that weight gets an ordinary gradient
+    accumulated in fp32 by the same GEMM, which the owner's hook adds to ``main_grad``. The collectives
+    are then the functional ones (:mod:`comm`): the input-gradient one is traced before the weight-gradient
+    GEMM, but a graph has no work handle to wait on later, so whether the two overlap is the compiler's
+    schedule (inductor's comm reordering), not this function's ``async_comm``.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, dgrad_comm, async_comm, fusion, sequence_parallel, seq_dim, param):
+    def forward(ctx, x, weight, bias, group, dgrad_comm, async_comm, fusion, sequence_parallel, seq_dim, param,
+                main_grad):
         dtype = _compute_dtype(x)
         x_c, w_c = x.to(dtype), weight.to(dtype)
         b_c = bias.to(dtype) if bias is not None else None
@@ -103,7 +118,7 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             out = F.linear(total, w_c, b_c)
         ctx.save_for_backward(total, w_c)
-        ctx.weight, ctx.weight_dtype = param, weight.dtype
+        ctx.weight, ctx.weight_dtype, ctx.main_grad = param, weight.dtype, main_grad
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.group, ctx.dgrad_comm, ctx.async_comm = group, dgrad_comm, async_comm
@@ -112,6 +127,8 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        if ctx.weight is None:
+            return LinearWithAsyncGradComm._traced_backward(ctx, grad_output)
         total, w = ctx.saved_tensors
         weight = ctx.weight
         grad_output = grad_output.to(ctx.dtype).contiguous()
@@ -133,17 +150,51 @@ class LinearWithAsyncGradComm(torch.autograd.Function):
                     make = torch.zeros if held else torch.empty
                     grad_weight = make(w.shape, dtype=ctx.weight_dtype, device=w.device)
             else:
-                go2 = grad_output.reshape(-1, grad_output.shape[-1])
-                grad_weight = (go2.t() @ total.reshape(-1, total.shape[-1])).to(ctx.weight_dtype)
-        grad_bias = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
+                grad_weight = _plain_wgrad(total, grad_output, ctx.weight_dtype)
+        grad_bias = _bias_grad(ctx, grad_output)
 
         if handle is not None and ctx.async_comm:
             handle.wait()
         if rs_out is not None:
             grad_input = comm.finish_reduce_scatter(rs_out, ctx.seq_dim)
-        return grad_input.to(ctx.in_dtype), grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_input.to(ctx.in_dtype), grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _traced_backward(ctx, grad_output):
+        """The backward under ``torch.compile`` (see the class docstring): no side effect but the wgrad
+        operator's declared write into ``main_grad``; functional collectives, no work handles."""
+        total, w = ctx.saved_tensors
+        grad_output = grad_output.to(ctx.dtype).contiguous()
+        grad_input = grad_output.matmul(w)
+        if ctx.dgrad_comm == "reduce_scatter":
+            grad_input = comm.reduce_scatter_value(grad_input, ctx.seq_dim, ctx.group)
+        elif ctx.dgrad_comm == "all_reduce":
+            grad_input = comm.all_reduce_value(grad_input, ctx.group)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            if ctx.fusion and ctx.dtype in _FUSED_DTYPES:
+                if ctx.main_grad is not None:
+                    ops.wgrad_gemm_accum_fp32(total, grad_output, ctx.main_grad)
+                else:  # for the owner's hook: the fused GEMM's fp32 sum, as an ordinary gradient
+                    acc = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                    ops.wgrad_gemm_accum_fp32(total, grad_output, acc)
+                    grad_weight = acc.to(ctx.weight_dtype)
+            else:
+                grad_weight = _plain_wgrad(total, grad_output, ctx.weight_dtype)
+        grad_bias = _bias_grad(ctx, grad_output)
+        return grad_input.to(ctx.in_dtype), grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+def _plain_wgrad(total: Tensor, grad_output: Tensor, dtype: torch.dtype) -> Tensor:
+    """The weight gradient as an ordinary tensor of ``dtype`` (no ``main_grad``)."""
+    go2 = grad_output.reshape(-1, grad_output.shape[-1])
+    return (go2.t() @ total.reshape(-1, total.shape[-1])).to(dtype)
+
+
+def _bias_grad(ctx, grad_output: Tensor) -> Optional[Tensor]:
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        return grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
+    return None
 
 
 def _validate_common(sequence_parallel: bool, sequence_dim: int) -> None:
@@ -243,6 +294,24 @@ class _ParallelLinearBase(nn.Module):
         layout = getattr(self.bias, "shard_layout", None)
         return layout.gather(self.bias) if layout is not None else self.bias.detach()
 
+    def _gemm(self, x: Tensor, bias: Optional[Tensor], dgrad: str, async_comm: bool, sequence_parallel: bool) -> Tensor:
+        """:class:`LinearWithAsyncGradComm` on ``x``. Eager: the registered weight Parameter goes along, its
+        ``main_grad`` is read in backward. Under ``torch.compile`` its ``main_grad`` is read now and passed as
+        a tensor: a weight whose ``main_grad`` a :class:`MainGradBuffer` owns (it carries
+        ``grad_added_to_main_grad``, a flag a trace cannot set in backward) gets an fp32-accumulated
+        ordinary gradient for the buffer's hook instead (see :class:`LinearWithAsyncGradComm`)."""
+        param, fusion = self._parameters["weight"], self.gradient_accumulation_fusion
+        if not comm.tracing():
+            return LinearWithAsyncGradComm.apply(x, self.weight, bias, self.group, dgrad, async_comm, fusion,
+                                                 sequence_parallel, self.sequence_dim, param, None)
+        main_grad = getattr(param, "main_grad", None) if fusion else None
+        if main_grad is None:
+            fusion = False
+        elif hasattr(param, "grad_added_to_main_grad"):
+            main_grad = None
+        return LinearWithAsyncGradComm.apply(x, self.weight, bias, self.group, dgrad, async_comm, fusion,
+                                             sequence_parallel, self.sequence_dim, None, main_grad)
+
 
 class ColumnParallelLinear(_ParallelLinearBase):
     """``Y = X A^T + b`` with ``A`` split along its output dim.
@@ -317,11 +386,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
     def forward(self, x: Tensor):
         dgrad = "reduce_scatter" if self.sequence_parallel else ("all_reduce" if self.tp_size > 1 else "none")
         bias = None if self.skip_bias_add else self.bias
-        out = LinearWithAsyncGradComm.apply(
-            x, self.weight, bias, self.group, dgrad, self.async_grad_allreduce,
-            self.gradient_accumulation_fusion, self.sequence_parallel and self.tp_size > 1, self.sequence_dim,
-            self._parameters["weight"],
-        )
+        out = self._gemm(x, bias, dgrad, self.async_grad_allreduce, self.sequence_parallel and self.tp_size > 1)
         if self.gather_output:
             out = comm.gather_from_tensor_parallel_region(out, self.group)
         return (out, self.bias) if self.skip_bias_add else out
@@ -397,10 +462,7 @@ class RowParallelLinear(_ParallelLinearBase):
     def forward(self, x: Tensor):
         if not self.input_is_parallel:
             x = comm.scatter_to_tensor_parallel_region(x, self.group)
-        out = LinearWithAsyncGradComm.apply(
-            x, self.weight, None, self.group, "none", False, self.gradient_accumulation_fusion, False, self.sequence_dim,
-            self._parameters["weight"],
-        )
+        out = self._gemm(x, None, "none", False, False)
         if self.sequence_parallel:
             out = comm.reduce_scatter_to_sequence_parallel_region(out, self.group, self.sequence_dim)
         else:

@@ -1,7 +1,8 @@
 """The compiled kernels as torch.library operators: torch.compile(fullgraph=True) traces through them.
 
 A training step (forward, backward, FusedAdam step) compiles without graph breaks and matches the
-eager step; so do the TP layers' forward and backward with the fused weight-gradient GEMM. The
+eager step; so does the fused weight-gradient GEMM inside a custom backward (the TP layers' own compiled
+step: tests/parallel/test_tp_compile.py). The
 operators' schemas and fake kernels pass torch.library.opcheck.
 """
 import pytest
@@ -135,8 +136,8 @@ def test_meta_tensors_are_refused_by_the_cpp_checks():
 
 
 class _FusedWgradLinear(torch.autograd.Function):
-    """y = x @ W^T whose weight gradient is accumulated into ``main_grad`` by the fused GEMM (as the TP
-    layers' backward does; they pass their weight twice to ``apply``, which dynamo does not trace yet)."""
+    """y = x @ W^T whose weight gradient is accumulated into ``main_grad`` by the fused GEMM, ``main_grad`` a
+    tensor input of ``apply`` (as the TP layers' backward under a trace; tests/parallel/test_tp_compile.py)."""
 
     @staticmethod
     def forward(ctx, x, weight, main_grad):
