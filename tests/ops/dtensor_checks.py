@@ -149,7 +149,7 @@ def check_lamb_moments_partial(mesh):
     sharded = [_shard(mesh, lst) for lst in (params, grads, m, v)]
     got = lamp.multi_tensor_lamb_moments(*sharded, [torch.zeros(()) for _ in params], *args)
     assert isinstance(got, DTensor) and got.placements == (Partial("sum"),) * mesh.ndim, got
-    torch.testing.assert_close(got.full_tensor(), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.full_tensor(), want, rtol=1e-6, atol=0)  # fp32 sums of the shards, then over the ranks: another order
     _same(sharded[2], plain[2], "exp_avgs", placements=[Shard(0)] * mesh.ndim)
 
 
