@@ -25,9 +25,11 @@ Conventions shared by all ops:
   the host: they update, then put back what they touched where it is set (``torch.where``, at
   the cost of one copy of the touched tensors).
 * ``grad_scale`` is the loss scale the gradients were multiplied by (the op divides by it).
-* The optimizer ops take DTensors (FSDP2 / DTensor tensor-parallel shards) and update their local
-  shards in place (:func:`local_shards`); norms over whole tensors are the caller's (see
-  ``multi_tensor_lamb``'s ``reduce_norms``).
+* The ops take DTensors (FSDP2 / DTensor tensor-parallel shards): the compiled operators through
+  DTensor's own dispatch (:mod:`._dtensor`: the local shards updated in place, placements kept;
+  norms and flags returned ``Partial``, reduced by DTensor; LAMB's trust ratio from DTensor's
+  all-reduce between its two passes), the pure-PyTorch fallbacks on the local shards
+  (:func:`local_shards`). ``found_inf`` written by an op is this rank's flag either way.
 
 The pure-PyTorch implementations are also reachable as private functions
 (``_wgrad_fallback``, ``_scale_fallback``, ``_check_finite_fallback``, ``_l2norm_fallback``) so tests
@@ -39,7 +41,9 @@ Layout of the package (everything public is re-exported here):
 * :mod:`._library`: the compiled kernels as torch.library operators ``torch.ops.lightning_amp.*``
   (schemas with their writes declared, fake kernels), so ``torch.compile`` traces through them;
   their arguments are checked in C++ only. ``_library.run`` calls the operator under a trace or a
-  dispatch mode and the C++ entry point directly in eager code (no custom-op dispatch cost);
+  dispatch mode or for DTensor arguments, and the C++ entry point directly in eager code on plain
+  tensors (no custom-op dispatch cost);
+* :mod:`._dtensor`: the DTensor sharding strategy of the multi-tensor operators;
 * :mod:`.wgrad`, :mod:`.multi_tensor`, :mod:`.optim`: the public ops and their fallbacks (which
   check their own arguments: there is no C++ on that path).
 

@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _ext
+from . import _dtensor, _ext
 
 _NS = "lightning_amp"
 
@@ -183,12 +183,27 @@ for _op in (wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16, multi_tensor_scale, mu
 #: the registered operators, ``torch.ops.lightning_amp``
 lamp = getattr(torch.ops, _NS)
 
+#: DTensor arguments go through DTensor's dispatch (:mod:`._dtensor`); None without torch.distributed
+_DTensor = _dtensor.DTensor if _dtensor.register(lamp) else None
+
 
 def run(name: str, *args):
     """Call kernel ``name``: through its operator ``torch.ops.lightning_amp.<name>`` under a trace
-    (``torch.compile``, export, or any active dispatch mode such as a fake-tensor mode), else straight
-    into the C++ entry point. Both check the arguments in C++; the eager shortcut skips the Python of a
-    custom op's dispatch, which a fused optimizer step would pay once per (group, device, dtype)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    (``torch.compile``, export, or any active dispatch mode such as a fake-tensor mode) or when the first
+    argument is (or its first element is) a DTensor (DTensor's dispatch runs the op on the local shards,
+    :mod:`._dtensor`), else straight into the C++ entry point. Both check the arguments in C++; the eager
+    shortcut skips the Python of a custom op's dispatch, which a fused optimizer step would pay once per
+    (group, device, dtype)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or is_dtensor(args[0]):
         return getattr(lamp, name)(*args)
     return getattr(_ext_module(), name)(*args)
+
+
+def is_dtensor(first) -> bool:
+    """Whether ``first`` (an op's first argument: a tensor or a list of them) is, or starts with, a DTensor:
+    one isinstance check (the lists of one call share their kind; DTensor refuses a mix)."""
+    if _DTensor is None:
+        return False
+    if isinstance(first, (list, tuple)):
+        return bool(first) and isinstance(first[0], _DTensor)
+    return isinstance(first, _DTensor)

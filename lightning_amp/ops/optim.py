@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _ext
 from ._ext import _c10_name, _check_dense, _check_float_like
-from . import _library
+from . import _dtensor, _library
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -44,8 +44,13 @@ def _compiled(params: Sequence[Tensor]) -> bool:
 
 def local_shards(*lists: Optional[Sequence[Tensor]]) -> tuple:
     """``lists`` with every DTensor replaced by its local shard (``to_local()``, same storage), so an
-    elementwise kernel updates this rank's part of each tensor in place; ``None`` stays ``None``.
-    Returned as given when the first list (the params) holds no DTensor."""
+    elementwise update runs on this rank's part of each tensor in place; ``None`` stays ``None``.
+    Returned as given when the first list (the params) holds no DTensor.
+
+    The compiled kernels do not need it: called with DTensors they go through DTensor's dispatch
+    (:mod:`._dtensor`). It serves the pure-PyTorch fallbacks, LAMB with a caller's ``reduce_norms``,
+    and callers of torch's own multi-tensor ops on local shards (``amp/step.py``, FusedLAMB's global
+    grad norm)."""
     if _DTensor is None or not any(isinstance(p, _DTensor) for p in lists[0]):
         return lists
     return tuple(None if lst is None else [t.to_local() if isinstance(t, _DTensor) else t for t in lst]
@@ -264,9 +269,7 @@ def multi_tensor_adam(
     ``checked=True``: the caller validated the lists (a cached plan), so the fallback skips its
     per-tensor Python checks; the compiled op checks every argument in C++ on every call either way.
     """
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies = local_shards(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies)
-    if _compiled(params):
+    if _compiled(params):  # DTensors: through DTensor's dispatch (ops._dtensor), on their local shards
         _library.run(
             "multi_tensor_adam", list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
             list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [], list(steps),
@@ -275,6 +278,8 @@ def multi_tensor_adam(
             bool(bias_correction), grad_scale, found_inf,
         )
         return
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies = local_shards(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_copies)
     state = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if max_exp_avg_sqs is not None:
         state["max_exp_avg_sqs"] = max_exp_avg_sqs
@@ -339,10 +344,9 @@ def multi_tensor_sgd(
     """One SGD step in place (torch.optim.SGD semantics). ``momentum_buffers`` are required when
     ``momentum != 0``; ``first_run`` means they are initialised to the (decayed) gradient.
     ``checked``: as :func:`multi_tensor_adam`."""
-    params, grads, momentum_buffers, model_copies = local_shards(params, grads, momentum_buffers, model_copies)
     if momentum != 0 and momentum_buffers is None:
         raise ValueError("multi_tensor_sgd: momentum_buffers are required when momentum != 0")
-    if _compiled(params):
+    if _compiled(params):  # DTensors: through DTensor's dispatch (ops._dtensor), on their local shards
         _library.run(
             "multi_tensor_sgd", list(params), list(grads), list(momentum_buffers) if momentum != 0 else [],
             list(model_copies) if model_copies is not None else [],
@@ -350,6 +354,7 @@ def multi_tensor_sgd(
             grad_scale, found_inf,
         )
         return
+    params, grads, momentum_buffers, model_copies = local_shards(params, grads, momentum_buffers, model_copies)
     state = {"momentum_buffers": momentum_buffers} if momentum != 0 else {}
     if not checked:
         _check_optim_args("multi_tensor_sgd", params, grads, state, None, grad_scale, found_inf, model_copies)
@@ -395,15 +400,15 @@ def multi_tensor_adadelta(
     model_copies: Optional[Sequence[Tensor]] = None,
 ) -> None:
     """One Adadelta step in place (torch.optim.Adadelta semantics)."""
-    params, grads, square_avgs, acc_deltas, model_copies = local_shards(
-        params, grads, square_avgs, acc_deltas, model_copies)
-    if _compiled(params):
+    if _compiled(params):  # DTensors: through DTensor's dispatch (ops._dtensor), on their local shards
         _library.run(
             "multi_tensor_adadelta", list(params), list(grads), list(square_avgs), list(acc_deltas), list(steps),
             list(model_copies) if model_copies is not None else [],
             float(lr), float(rho), float(eps), float(weight_decay), grad_scale, found_inf,
         )
         return
+    params, grads, square_avgs, acc_deltas, model_copies = local_shards(
+        params, grads, square_avgs, acc_deltas, model_copies)
     state = {"square_avgs": square_avgs, "acc_deltas": acc_deltas}
     _check_optim_args("multi_tensor_adadelta", params, grads, state, steps, grad_scale, found_inf, model_copies)
     if params:
@@ -510,15 +515,23 @@ def multi_tensor_lamb(
     ``multi_tensor_lamb_apply``); with ``found_inf`` set both write nothing and the reduction still
     runs, so every rank joins it.
     """
-    params, grads, exp_avgs, exp_avg_sqs, model_copies = local_shards(
-        params, grads, exp_avgs, exp_avg_sqs, model_copies)
     if global_grad_norm is None:
         raise TypeError("multi_tensor_lamb: global_grad_norm is required")
-    copies = list(model_copies) if model_copies is not None else []
-    if reduce_norms is not None and not (weight_decay or use_nvlamb):
+    trust_ratio = bool(weight_decay or use_nvlamb)
+    if reduce_norms is not None and not trust_ratio:
         reduce_norms = None  # no trust ratio: the norms are not needed
     compiled = _compiled(params)
-    if compiled and reduce_norms is None:
+    dtensors = _library.is_dtensor(params)
+    if dtensors and (reduce_norms is not None or not compiled):
+        # the caller's reduction, or the fallback: on the local shards
+        sharded = params if reduce_norms is None and trust_ratio else None
+        params, grads, exp_avgs, exp_avg_sqs, model_copies = local_shards(
+            params, grads, exp_avgs, exp_avg_sqs, model_copies)
+        if sharded is not None:  # the fallback's squared norms summed by DTensor, as the kernels' (ops._dtensor)
+            reduce_norms = _dtensor.partial_sum_reducer("multi_tensor_lamb", sharded)
+        dtensors = False
+    copies = list(model_copies) if model_copies is not None else []
+    if compiled and reduce_norms is None and not (dtensors and trust_ratio):
         _library.run(
             "multi_tensor_lamb", list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), copies,
             float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction),
@@ -531,7 +544,10 @@ def multi_tensor_lamb(
             float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), bool(grad_averaging),
             bool(adam_w_mode), global_grad_norm, float(max_grad_norm), grad_scale, found_inf,
         )
-        squares = _reduced_norms("multi_tensor_lamb", reduce_norms, squares)
+        if reduce_norms is not None:
+            squares = _reduced_norms("multi_tensor_lamb", reduce_norms, squares)
+        # DTensors: squares is Partial("sum") over the sharded mesh dims; lamb_apply takes it replicated, so
+        # DTensor all-reduces it here (every rank joins, found_inf set or not)
         _library.run(
             "multi_tensor_lamb_apply", list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), copies,
             float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction),

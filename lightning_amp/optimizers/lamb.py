@@ -15,7 +15,7 @@ from lightning_amp.optimizers.base import (
     grads_of,
     new_step,
 )
-from lightning_amp.optimizers.sharded import any_sharded, norm_reducer, shard_sum_
+from lightning_amp.optimizers.sharded import any_sharded, placement_classes, shard_sum_
 
 
 class FusedLAMB(FusedOptimizer):
@@ -29,7 +29,8 @@ class FusedLAMB(FusedOptimizer):
     decay is an L2 term added to the grad), and ``p -= lr * ratio * u`` with the trust ratio
     ``||p|| / ||u||`` when ``weight_decay != 0`` or ``use_nvlamb`` (1 if either norm is 0).
     DTensor params (FSDP2, DTensor tensor parallelism): both norms are those of whole tensors, the
-    squared norms of the local shards summed over the ranks holding the shards
+    squared norms of the local shards summed over the ranks holding the shards: the trust ratio's by
+    DTensor (the ops' Partial outputs, one call per placement class), the global grad norm's here
     (:mod:`lightning_amp.optimizers.sharded`); every rank must step.
     State per param: ``step`` (0-dim fp32), ``exp_avg``, ``exp_avg_sq`` (param dtype).
     apex's ``set_grad_none`` and ``amsgrad`` are taken as :mod:`~lightning_amp.optimizers.apex_keywords` says.
@@ -94,14 +95,17 @@ class FusedLAMB(FusedOptimizer):
 
     def _update(self, group, parts, grad_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
-        for (device, _, _), ps in parts.items():
-            states = [self.state[p] for p in ps]
-            ops.multi_tensor_lamb(
-                ps, grads_of(ps), [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                [st["step"] for st in states], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], global_grad_norm=self._global_norms[device],
-                max_grad_norm=group["max_grad_norm"], bias_correction=group["bias_correction"],
-                grad_averaging=group["grad_averaging"], adam_w_mode=group["adam_w_mode"],
-                use_nvlamb=group["use_nvlamb"], grad_scale=grad_scale(device), found_inf=found_inf(device),
-                reduce_norms=norm_reducer(ps),
-            )
+        for (device, _, _), part in parts.items():
+            for ps in placement_classes(part):  # DTensors: DTensor reduces the trust ratio's norms per class
+                self._update_class(group, ps, device, beta1, beta2, grad_scale, found_inf)
+
+    def _update_class(self, group, ps, device, beta1, beta2, grad_scale, found_inf) -> None:
+        states = [self.state[p] for p in ps]
+        ops.multi_tensor_lamb(
+            ps, grads_of(ps), [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+            [st["step"] for st in states], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], global_grad_norm=self._global_norms[device],
+            max_grad_norm=group["max_grad_norm"], bias_correction=group["bias_correction"],
+            grad_averaging=group["grad_averaging"], adam_w_mode=group["adam_w_mode"],
+            use_nvlamb=group["use_nvlamb"], grad_scale=grad_scale(device), found_inf=found_inf(device),
+        )

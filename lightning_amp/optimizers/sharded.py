@@ -1,11 +1,14 @@
-"""Sums over the shards of DTensor params (FSDP2, DTensor tensor parallelism) for optimizers that need
-norms of whole tensors (FusedLAMB's trust ratio and global grad norm).
+"""DTensor params (FSDP2, DTensor tensor parallelism) for optimizers that need norms of whole tensors
+(FusedLAMB's trust ratio and global grad norm).
 
-The elementwise updates need nothing from here: ``lightning_amp.ops`` steps each DTensor's local
-shard in place. A norm of a whole tensor is the square root of the sum, over the ranks holding its
-shards, of the squared norms of the local shards: :func:`shard_sum_` all-reduces those squares over
-the mesh dimensions on which the tensor is sharded (replicated dimensions hold copies and are not
-summed). One all-reduce per (mesh, sharded dims) class and mesh dimension, on the device, no host read.
+The elementwise updates need nothing from here: ``lightning_amp.ops`` hands DTensors to DTensor's
+dispatch, which runs the kernels on the local shards. The trust ratio's norms are reduced by DTensor
+too (``ops.multi_tensor_lamb``'s two passes; one call per placement class, :func:`placement_classes`).
+The global grad norm sums over all params of all classes, which no single placement says: a norm of a
+whole tensor is the square root of the sum, over the ranks holding its shards, of the squared norms of
+the local shards; :func:`shard_sum_` all-reduces those squares over the mesh dimensions on which the
+tensor is sharded (replicated dimensions hold copies and are not summed). One all-reduce per (mesh,
+sharded dims) class and mesh dimension, on the device, no host read.
 """
 from __future__ import annotations
 
@@ -48,8 +51,19 @@ def shard_sum_(tensors: Sequence[Tensor], squares: Tensor) -> Tensor:
 
 
 def norm_reducer(tensors: Sequence[Tensor]) -> Optional[Callable[[Tensor], Tensor]]:
-    """A ``reduce_norms`` for ``ops.multi_tensor_lamb`` over ``tensors`` (None when none is sharded)."""
+    """A ``reduce_norms`` for ``ops.multi_tensor_lamb`` over the local shards of ``tensors`` (None when none
+    is sharded): for a caller that steps local shards itself; DTensors handed to the op need none."""
     if not any_sharded(tensors):
         return None
     tensors = list(tensors)
     return lambda squares: shard_sum_(tensors, squares)
+
+
+def placement_classes(tensors: Sequence[Tensor]) -> List[List[Tensor]]:
+    """``tensors`` split by (mesh, placements), in order of first appearance; plain tensors form one class.
+    A multi-tensor op whose outputs DTensor reduces takes one placement per mesh dimension for all its tensors."""
+    classes: Dict[tuple, List[Tensor]] = {}
+    for t in tensors:
+        key = (t.device_mesh, tuple(t.placements)) if _DTensor is not None and isinstance(t, _DTensor) else None
+        classes.setdefault(key, []).append(t)
+    return list(classes.values())
