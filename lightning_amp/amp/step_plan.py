@@ -8,10 +8,16 @@ is unchanged: the number of groups and, for each group, the identity and length 
 and the identity of its first and last param, plus the owner's own per-group items (``key``, e.g.
 whether AMSGrad state is kept). Building, and what makes a plan incomplete (a param without grad or
 state), stay with the owner; ``drop()`` forgets the plan (``add_param_group``, ``load_state_dict``).
+
+Under ``torch.compile`` nothing is cached: dynamo's guards on the param groups already decide when a
+step is traced again, and a cache read inside the graph would only add a guard on it (a recompile
+at the second step) or, on torch 2.11, a graph break (dynamo there cannot trace ``id()`` of a list).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
+
+import torch
 
 
 class StepPlan:
@@ -43,14 +49,16 @@ class StepPlan:
 
     def cached(self, param_groups: Sequence[dict], need_grads: bool = True) -> Any:
         """The stored parts when :meth:`current` (and, with ``need_grads``, every param has a grad), else None."""
-        if not self.current(param_groups):
+        if torch.compiler.is_compiling() or not self.current(param_groups):
             return None
         if need_grads and any(p.grad is None for group in param_groups for p in group["params"]):
             return None
         return self.parts
 
     def store(self, param_groups: Sequence[dict], parts: Any) -> None:
-        """Keep ``parts`` as the plan for the groups as they are now."""
+        """Keep ``parts`` as the plan for the groups as they are now (nothing while compiling)."""
+        if torch.compiler.is_compiling():
+            return
         self.signature = self.signature_of(param_groups)
         self.parts = parts
 

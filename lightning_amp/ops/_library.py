@@ -205,5 +205,5 @@ def is_dtensor(first) -> bool:
     if _DTensor is None:
         return False
     if isinstance(first, (list, tuple)):
-        return bool(first) and isinstance(first[0], _DTensor)
+        return len(first) > 0 and isinstance(first[0], _DTensor)
     return isinstance(first, _DTensor)

@@ -39,7 +39,7 @@ _OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _compiled(params: Sequence[Tensor]) -> bool:
     """Whether the compiled kernels serve these params (an extension for their device); empty lists and
     devices without kernels take the fallback path, which checks its arguments itself."""
-    return bool(params) and isinstance(params[0], Tensor) and _ext._ext_for(params[0].device) is not None
+    return len(params) > 0 and isinstance(params[0], Tensor) and _ext._ext_for(params[0].device) is not None
 
 
 def local_shards(*lists: Optional[Sequence[Tensor]]) -> tuple:

@@ -173,7 +173,6 @@ class FusedOptimizer(InKernelScaling, torch.optim.Optimizer):
                 self.step_plan.store(self.param_groups, plan)
             else:
                 self.step_plan.drop()
-        self._checked = self.step_plan.parts is plan
         self._before_update(scale_on, inf_on)
         for group, parts in plan:
             if parts:
@@ -183,9 +182,11 @@ class FusedOptimizer(InKernelScaling, torch.optim.Optimizer):
     # Cached plan (:class:`~lightning_amp.amp.step_plan.StepPlan`, shared with the kernel step):
     # the partitions of the last step, reused while every param of every group has a grad and state
     # and the groups keep their signature; ``add_param_group`` and ``load_state_dict`` drop it. A
-    # reused plan also skips the fallbacks' per-tensor Python checks (``checked=True``; the compiled
+    # stored plan also spares the fallbacks their per-tensor Python checks (``checked=True``; the compiled
     # ops check every argument in C++ on every call).
-    _checked = False
+    @property
+    def _checked(self) -> bool:
+        return self.step_plan.built
 
     @property
     def step_plan(self) -> StepPlan:

@@ -98,8 +98,9 @@ def gather_along(x: Tensor, dim: int, group: Any) -> Tensor:
     if size == 1:
         return x
     x = x.contiguous()
-    if tracing():
-        return funcol.all_gather_tensor(x, dim, _traced_group(group))
+    if tracing():  # gathered along dim 0, then re-cut here: torch 2.11's dynamo refuses funcol's own re-cut
+        out = funcol.all_gather_tensor(x, 0, _traced_group(group))
+        return out if dim == 0 else torch.cat(out.chunk(size, dim=0), dim=dim)
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
