@@ -1,8 +1,9 @@
 """Builds the compiled core ``lightning_amp._C`` from ``csrc/``.
 
 CPU kernels are always built. CUDA kernels are added when the installed torch has CUDA and
-``nvcc`` is found (``CUDA_HOME``); ``LIGHTNING_AMP_NO_EXT=1`` skips the extension entirely
-(the package then runs on its pure-PyTorch fallbacks).
+``nvcc`` is found (``CUDA_HOME``), unless ``LIGHTNING_AMP_CPU_ONLY=1`` (the CPU kernels only, e.g. to test
+the CPU side against a CUDA build of torch on a machine without a GPU); ``LIGHTNING_AMP_NO_EXT=1`` skips
+the extension entirely (the package then runs on its pure-PyTorch fallbacks).
 
 The CPU kernels use ATen's ``at::vec::Vectorized``. The package is built from source on the
 machine that runs it, so by default they are compiled for the widest vector ISA the build
@@ -73,7 +74,8 @@ def _extensions():
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
     if not sources:
         return [], {}
-    with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and bool(cuda_sources)
+    with_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and bool(cuda_sources)
+                 and os.environ.get("LIGHTNING_AMP_CPU_ONLY") != "1")
     opt = os.environ.get("LIGHTNING_AMP_OPT", "-O3")
     cxx = [opt, "-std=c++17", "-fopenmp"] + _cpu_vector_flags()
     include_dirs = [os.path.join(here, "csrc")]

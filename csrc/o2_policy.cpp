@@ -23,7 +23,10 @@
 // Elsewhere (policy not active on the thread: bf16-mixed or O1 in the same process, another thread,
 // a forward outside O2's) each kernel is torch's: the op's policy on that key through the template
 // torch itself instantiates (at::autocast::WrapFunction), or, where torch registers none, a
-// redispatch below autocast (what its fallthrough does). tests/test_o2_policy.py compares both.
+// redispatch below autocast (what its fallthrough does). Which of the two is read from the installed
+// torch's dispatcher before the first install (torch_cuda_kernels): an op the table lists as upcast on
+// CUDA that this torch does not register there (rms_norm before torch 2.12) keeps the fallthrough.
+// tests/test_o2_policy.py compares both.
 #include "o2_policy.h"
 
 #include <ATen/ATen.h>
@@ -32,9 +35,13 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <unordered_set>
 
 namespace lamp {
 namespace o2 {
@@ -168,12 +175,24 @@ struct Kernel<Op, dev, torch_policy, rule, c10::guts::typelist::typelist<Args...
   }
 };
 
-template <class Op, c10::DeviceType dev, Torch torch_policy, Rule rule>
-void add(torch::Library& lib) {
-  using K = Kernel<Op, dev, torch_policy, rule, typename c10::guts::function_traits<typename Op::schema>::parameter_types>;
+template <class Op>
+std::string op_name() {
   std::string name(Op::name);
   if (Op::overload_name[0] != '\0') name += std::string(".") + Op::overload_name;
-  lib.impl(name.c_str(), TORCH_FN(K::call));
+  return name;
+}
+
+// ``torch_registers``: whether the installed torch has its own kernel for the op on the key whose policy
+// ``torch_policy`` describes; without one torch's policy there is the fallthrough.
+template <class Op, c10::DeviceType dev, Torch torch_policy, Rule rule>
+void add(torch::Library& lib, bool torch_registers = true) {
+  using Params = typename c10::guts::function_traits<typename Op::schema>::parameter_types;
+  const std::string name = op_name<Op>();
+  if (torch_policy == Torch::fallthrough || torch_registers) {
+    lib.impl(name.c_str(), TORCH_FN((Kernel<Op, dev, torch_policy, rule, Params>::call)));
+  } else {
+    lib.impl(name.c_str(), TORCH_FN((Kernel<Op, dev, Torch::fallthrough, rule, Params>::call)));
+  }
 }
 
 // (op in at::_ops, O2's rule, torch's policy on AutocastCUDA, registered on AutocastCPU in mode "torch").
@@ -232,9 +251,29 @@ void add(torch::Library& lib) {
   _(upsample_bicubic2d, as_is, fp32, false)                         \
   _(_upsample_bicubic2d_aa, as_is, fp32, false)
 
+// The ops of the table for which the installed torch registers its own AutocastCUDA kernel. Read once,
+// before any of ours is registered (the first install or table(), both with nothing installed).
+const std::unordered_set<std::string>& torch_cuda_kernels() {
+  static const std::unordered_set<std::string> names = [] {
+    std::unordered_set<std::string> out;
+#define LAMP_O2_PROBE(op, rule, torch_cuda, on_cpu)                                                   \
+  {                                                                                                   \
+    auto handle = c10::Dispatcher::singleton().findOp({at::_ops::op::name, at::_ops::op::overload_name}); \
+    if (handle && handle->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA))                  \
+      out.insert(op_name<at::_ops::op>());                                                            \
+  }
+    LAMP_O2_OPS(LAMP_O2_PROBE)
+#undef LAMP_O2_PROBE
+    return out;
+  }();
+  return names;
+}
+
+bool torch_registers_on_cuda(const std::string& name) { return torch_cuda_kernels().count(name) > 0; }
+
 void register_cuda_key(torch::Library& lib) {
 #define LAMP_O2_ADD(op, rule, torch_cuda, on_cpu) \
-  add<at::_ops::op, c10::DeviceType::CUDA, Torch::torch_cuda, Rule::rule>(lib);
+  add<at::_ops::op, c10::DeviceType::CUDA, Torch::torch_cuda, Rule::rule>(lib, torch_registers_on_cuda(op_name<at::_ops::op>()));
   LAMP_O2_OPS(LAMP_O2_ADD)
 #undef LAMP_O2_ADD
 }
@@ -248,7 +287,7 @@ void register_cpu_key(torch::Library& lib) {
 
 void register_cuda_lists_on_cpu_key(torch::Library& lib) {
 #define LAMP_O2_ADD(op, rule, torch_cuda, on_cpu) \
-  add<at::_ops::op, c10::DeviceType::CPU, Torch::torch_cuda, Rule::rule>(lib);
+  add<at::_ops::op, c10::DeviceType::CPU, Torch::torch_cuda, Rule::rule>(lib, torch_registers_on_cuda(op_name<at::_ops::op>()));
   LAMP_O2_OPS(LAMP_O2_ADD)
 #undef LAMP_O2_ADD
 }
@@ -299,6 +338,7 @@ void install(const std::string& mode) {
     ++g_installs;
     return;
   }
+  torch_cuda_kernels();  // read torch's own registrations before any of ours
   auto cuda = library_for(c10::DispatchKey::AutocastCUDA);
   register_cuda_key(*cuda);
   auto cpu = library_for(c10::DispatchKey::AutocastCPU);
@@ -329,11 +369,12 @@ int64_t installs() {
 
 std::vector<std::tuple<std::string, std::string, std::string, bool>> table() {
   std::vector<std::tuple<std::string, std::string, std::string, bool>> rows;
+  // torch's policy as installed: an upcast the table names but this torch does not register is its fallthrough
 #define LAMP_O2_ROW(op, rule, torch_cuda, on_cpu)                                                        \
   {                                                                                                      \
-    std::string name(at::_ops::op::name);                                                                \
-    if (at::_ops::op::overload_name[0] != '\0') name += std::string(".") + at::_ops::op::overload_name;  \
-    rows.emplace_back(name, #rule, #torch_cuda, on_cpu);                                                 \
+    const std::string name = op_name<at::_ops::op>();                                                   \
+    const bool torch_has = std::string(#torch_cuda) == "fallthrough" || torch_registers_on_cuda(name);  \
+    rows.emplace_back(name, #rule, torch_has ? #torch_cuda : "fallthrough", on_cpu);                     \
   }
   LAMP_O2_OPS(LAMP_O2_ROW)
 #undef LAMP_O2_ROW

@@ -82,7 +82,8 @@ class Net(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self(x).float(), y)
+        # y.float(): O3 casts the batch to bf16, and torch 2.11's mse_loss backward refuses fp32 vs bf16
+        loss = nn.functional.mse_loss(self(x).float(), y.float())
         self.losses.append(loss.detach().float())
         return loss
 
