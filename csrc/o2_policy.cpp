@@ -25,7 +25,7 @@
 // torch itself instantiates (at::autocast::WrapFunction), or, where torch registers none, a
 // redispatch below autocast (what its fallthrough does). Which of the two is read from the installed
 // torch's dispatcher before the first install (torch_cuda_kernels): an op the table lists as upcast on
-// CUDA that this torch does not register there (rms_norm before torch 2.12) keeps the fallthrough.
+// CUDA that this torch does not register there (rms_norm in torch 2.11; 2.13 upcasts it) keeps the fallthrough.
 // tests/test_o2_policy.py compares both.
 #include "o2_policy.h"
 

@@ -182,7 +182,7 @@ def _unscaled_fp32(grad: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
 
 
 def _store(dst: Tensor, src_fp32: Tensor) -> None:
-    if dst.data_ptr() != src_fp32.data_ptr():
+    if dst is not src_fp32:  # an fp32 tensor's .float() is the tensor itself, updated in place already
         dst.copy_(src_fp32)
 
 
@@ -190,7 +190,10 @@ def _torch_fused_grads(params: Sequence[Tensor], grads: Sequence[Tensor], grad_s
     """Grads as torch's fused optimizer kernels take them (the params' dtype), or None where they
     cannot without changing our numerics (grads wider than 16-bit params). Never the caller's
     tensors when the kernel writes them: given grad_scale, torch's kernels store the unscaled
-    grads back; ours leave grads untouched."""
+    grads back; ours leave grads untouched. None under ``torch.compile``: torch's fused CPU kernels have
+    no functionalization or fake kernel, so a compiled step takes the per-tensor loop (plain ops)."""
+    if torch.compiler.is_compiling():
+        return None
     pdtype, gdtype = params[0].dtype, grads[0].dtype
     if gdtype != pdtype:
         return [g.to(pdtype) for g in grads] if pdtype == torch.float32 else None

@@ -68,7 +68,7 @@ def _compiled_matches_eager(opt_cls, backend, path, monkeypatch, **kwargs):
 
 @needs_ext
 @needs_backward_tracing
-@pytest.mark.parametrize("path", ["ext"])  # the fallbacks' torch._fused_adamw_/_fused_sgd_ do not functionalize
+@pytest.mark.parametrize("path", ["ext", "fallback"])  # fallback: eager torch._fused_*_, compiled the loop
 @pytest.mark.parametrize("opt_cls,kwargs", [(FusedAdam, dict(lr=1e-2, weight_decay=0.1)),
                                             (FusedSGD, dict(lr=1e-2, momentum=0.9))], ids=["adam", "sgd"])
 def test_training_step_compiles_fullgraph(opt_cls, kwargs, path, monkeypatch):
