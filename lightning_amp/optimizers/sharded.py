@@ -12,7 +12,7 @@ sharded dims) class and mesh dimension, on the device, no host read.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,15 +48,6 @@ def shard_sum_(tensors: Sequence[Tensor], squares: Tensor) -> Tensor:
                 dist.all_reduce(part, group=mesh.get_group(dim))
         squares.index_copy_(0, index, part)
     return squares
-
-
-def norm_reducer(tensors: Sequence[Tensor]) -> Optional[Callable[[Tensor], Tensor]]:
-    """A ``reduce_norms`` for ``ops.multi_tensor_lamb`` over the local shards of ``tensors`` (None when none
-    is sharded): for a caller that steps local shards itself; DTensors handed to the op need none."""
-    if not any_sharded(tensors):
-        return None
-    tensors = list(tensors)
-    return lambda squares: shard_sum_(tensors, squares)
 
 
 def placement_classes(tensors: Sequence[Tensor]) -> List[List[Tensor]]:
