@@ -45,14 +45,17 @@ from typing import List, Optional, Tuple
 
 import torch
 
-try:
+try:  # the one import of the class for lightning_amp.ops (local_shards, the dispatch test, the strategies)
     from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = None
+try:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy
     from torch.distributed.tensor._ops._math_ops import _NormPartial
     from torch.distributed.tensor.placement_types import Partial, Replicate
-except ImportError:  # torch built without distributed, or a torch whose DTensor internals moved
-    DTensor = None
+except ImportError:  # no distributed, or a torch whose DTensor internals moved: no strategy is registered
+    DTensorSpec = None
 
 #: per-element lists that are not shaped like the params: one 0-dim counter per param, replicated
 _SCALAR_LISTS = frozenset({"steps"})
@@ -173,8 +176,8 @@ MULTI_TENSOR_OPS = ("multi_tensor_scale", "multi_tensor_check_finite", "multi_te
 
 def register(namespace) -> bool:
     """Register :func:`_strategy` for every op of :data:`MULTI_TENSOR_OPS` in ``namespace``
-    (``torch.ops.lightning_amp``); False when this torch has no DTensor."""
-    if DTensor is None:
+    (``torch.ops.lightning_amp``); False when this torch has no DTensor or not the internals used here."""
+    if DTensor is None or DTensorSpec is None:
         return False
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name in MULTI_TENSOR_OPS:

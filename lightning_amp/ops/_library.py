@@ -183,8 +183,8 @@ for _op in (wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16, multi_tensor_scale, mu
 #: the registered operators, ``torch.ops.lightning_amp``
 lamp = getattr(torch.ops, _NS)
 
-#: DTensor arguments go through DTensor's dispatch (:mod:`._dtensor`); None without torch.distributed
-_DTensor = _dtensor.DTensor if _dtensor.register(lamp) else None
+#: whether DTensor arguments go through DTensor's dispatch (:mod:`._dtensor`: strategies registered)
+_DTENSOR_DISPATCH = _dtensor.register(lamp)
 
 
 def run(name: str, *args):
@@ -202,8 +202,8 @@ def run(name: str, *args):
 def is_dtensor(first) -> bool:
     """Whether ``first`` (an op's first argument: a tensor or a list of them) is, or starts with, a DTensor:
     one isinstance check (the lists of one call share their kind; DTensor refuses a mix)."""
-    if _DTensor is None:
+    if not _DTENSOR_DISPATCH:
         return False
     if isinstance(first, (list, tuple)):
-        return len(first) > 0 and isinstance(first[0], _DTensor)
-    return isinstance(first, _DTensor)
+        return len(first) > 0 and isinstance(first[0], _dtensor.DTensor)
+    return isinstance(first, _dtensor.DTensor)

@@ -15,11 +15,7 @@ from torch import Tensor
 from . import _ext
 from ._ext import _c10_name, _check_dense, _check_float_like
 from . import _dtensor, _library
-
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # torch built without distributed
-    _DTensor = None
+from ._dtensor import DTensor as _DTensor  # None: torch built without distributed
 
 
 # --------------------------------------------------------------------------------------
