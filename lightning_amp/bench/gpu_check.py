@@ -1,29 +1,29 @@
-"""``make gpu-check``: build with the CUDA kernels, run the GPU checks part by part, report a verdict per target.
+"""``make gpu-check``: one command that builds for the GPU present, checks it, measures it, and reports a verdict per target.
 
-    python -m lightning_amp.bench.gpu_check [--part suite,sync,...] [--out DIR] [--timeout S]
+    python -m lightning_amp.bench.gpu_check [--part smoke,bench,...] [--out DIR] [--budget SECONDS]
     python -m lightning_amp.bench.gpu_check --report-only --out DIR   # re-render DIR/part-*.json
 
-Run from a source checkout (it needs ``tests/``, ``benchmarks/`` and ``examples/``). Parts, each a
-subprocess with its own timeout (default :data:`PART_TIMEOUT_S`), its output in ``DIR/part-<name>.json``:
+Run from a source checkout (it needs ``tests/``, ``benchmarks/`` and ``examples/``). The parts run in
+this order (:data:`PLAN`), each a subprocess with a timeout, its log in ``DIR/logs/<part>.log``:
 
-- ``build``: always first; installs the package (``pip install --no-build-isolation --no-deps --no-index
-  -e .``, as on an offline GPU machine) unless the compiled extension already loads with CUDA kernels;
-- ``suite``: the whole test suite with ``LIGHTNING_AMP_REQUIRE_EXT=1`` (pytest-xdist workers where it is
-  installed; ``GPU_CHECK_SUITE_WORKERS=0`` runs it serially);
-- ``sync``: the CUDA sync-debug tests (``tests/precision/test_precision_sync.py -m cuda``);
-- ``optim``: ``benchmarks/bench_optim.py --device cuda`` (AdamW, scale, l2norm, copy);
-- ``wgrad``: ``benchmarks/bench_wgrad.py --device cuda``;
-- ``bench``: ``lightning-amp bench --accelerator cuda`` on BERT-base (seq 128, batch 256, 300 steps) at
-  32-true (TF32), bf16-mixed, bf16-true, O1, O2, O3 with the example's optimizer;
-- ``bench-fused``: the same at O1, O2, O3 with ``--optimizer fused-adam``;
-- ``o2-forward``: O2 + FusedAdam on the same BERT-base with the shipped op policy (``norm_policy="half"``)
-  and torch's autocast lists (``norm_policy="fp32"``), alternating, each run a fresh process
-  (:mod:`lightning_amp.bench.gpu_o2_forward`).
+1. ``build``: always first: ``setup.py build_ext --inplace`` for the present GPU's compute capability only
+   (``TORCH_CUDA_ARCH_LIST``) with ``MAX_JOBS`` = the machine's cores, timed;
+2. ``smoke``: CUDA correctness (:mod:`lightning_amp.bench.gpu_smoke`, about a minute);
+3. ``bench``: the headline BERT-base benchmark with its ratios (:mod:`lightning_amp.bench.gpu_headline`);
+4. ``optim``, 5. ``wgrad``: ``benchmarks/bench_optim.py`` and ``benchmarks/bench_wgrad.py`` on the GPU;
+6. ``cuda-tests``: ``pytest -m cuda tests``; 7. ``suite``: ``pytest -m "not cuda" tests`` with what time is
+   left (pytest-xdist workers where installed), the tests it did not reach counted
+   (:mod:`lightning_amp.bench.gpu_pytest`).
 
-The report (``gpu-check.md``, ``gpu-check.json``) is written from every ``part-*.json`` in DIR, so
-parts run by separate calls into one folder (or copied into one) make one report. Exit status: 1 when
-a verdict is FAIL, else 0. Without a CUDA GPU nothing is measured: it says so, runs its own plumbing
-test (``tests/bench/test_gpu_check.py``) on the CPU, writes a report of NOT RUN verdicts and exits with that
+Budget: ``--budget`` (``make``'s ``GPU_CHECK_BUDGET``) caps the whole invocation. Each part's timeout is
+its cap (:attr:`Part.cap_s`) or what is left of the budget, whichever is less; a part with less left than
+it needs (:attr:`Part.need_s`) is NOT RUN with that reason, as is every part after a failed build. The
+report (``gpu-check.md``, ``gpu-check.json``) is rewritten when each part starts and ends, so a run
+killed at its limit leaves every part finished before; SIGTERM ends the running part (recorded as
+interrupted, with its log tail) and marks the rest NOT RUN. A part that crashes or times out is
+reported with its log tail, and its targets FAIL. Exit status: 1 when a verdict is FAIL, else 0.
+Without a CUDA GPU nothing is measured: it says so, runs its own plumbing test
+(``tests/bench/test_gpu_check.py``) on the CPU, writes a report of NOT RUN verdicts and exits with that
 test's status (0 when the plumbing works).
 """
 from __future__ import annotations
@@ -33,85 +33,76 @@ import datetime
 import functools
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from lightning_amp.bench.gpu_report import part_path, verdict_lines, write_report
+from lightning_amp.bench.gpu_pytest import LOG_ENV, read_outcomes
+from lightning_amp.bench.gpu_report import log_path, part_path, verdict_lines, write_report
 from lightning_amp.bench.gpu_targets import FAIL, part_status
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("build", "suite", "sync", "optim", "wgrad", "bench", "bench-fused", "o2-forward")
-PART_TIMEOUT_S = 480
-MIN_PART_S = 60
-BENCH_LEVELS = "32-true,bf16-mixed,bf16-true,O1,O2,O3"
-FUSED_LEVELS = "O1,O2,O3"
 OPTIM_OPS = "adamw,scale,l2norm,copy"
+#: seconds a single test may take in the test parts (where pytest-timeout is installed)
+TEST_TIMEOUT_S = 180
 _CHECK_EXT = ("import json, lightning_amp.ops as o; e = o.extension_error(); "
               "print(json.dumps({'backend': o.backend('cuda'), 'extension_error': None if e is None else str(e)}))")
+_PROBE = ("import json, torch; print(json.dumps({'device': torch.cuda.get_device_name(), "
+          "'capability': '%d.%d' % torch.cuda.get_device_capability(), 'count': torch.cuda.device_count()}))")
 
 
 class _TimedOut(Exception):
     pass
 
 
+class _Interrupted(BaseException):
+    """SIGTERM (a remote call's limit): end the running part, report, and stop."""
+
+
 class _PartRun:
     """Runs a part's commands in ``ROOT`` against one deadline, appending their output to one log."""
 
-    def __init__(self, log_path: Path, env: dict, timeout_s: float) -> None:
-        self.log_path, self.env = log_path, env
+    def __init__(self, log: Path, env: dict, timeout_s: float) -> None:
+        self.log, self.env = log, env
         self.deadline = time.monotonic() + timeout_s
         self.commands: list = []
         self.rc = 0
 
-    def __call__(self, argv: list) -> str:
-        """Run ``argv``; return its output. The first non-zero exit status becomes the part's ``rc``."""
-        self.commands.append(shlex.join(argv))
-        with tempfile.TemporaryFile() as output:
-            process = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=output, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+    def __call__(self, argv: list, env: Optional[dict] = None) -> str:
+        """Run ``argv`` (``env`` added to the part's environment); return its output. The first non-zero
+        exit status becomes the part's ``rc``; past the deadline the command's process group is killed."""
+        shown = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        self.commands.append((shown + " " if shown else "") + shlex.join(argv))
+        start = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "a") as log:
+            log.write(f"$ {self.commands[-1]}\n")
+            log.flush()
+            process = subprocess.Popen(argv, cwd=ROOT, env=dict(self.env, **(env or {})), stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                rc = process.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+                left = self.deadline - time.monotonic()
+                rc = process.wait(timeout=None if math.isinf(left) else max(1.0, left))
+            except BaseException as stop:  # the deadline, or SIGTERM while waiting
                 os.killpg(process.pid, signal.SIGKILL)  # the command's own process group: it and its workers
                 process.wait()
-                rc = None
-            output.seek(0)
-            text = output.read().decode(errors="replace")
-        with open(self.log_path, "a") as log:
-            log.write(f"$ {shlex.join(argv)}\n{text}\n")
-        if rc is None:
-            raise _TimedOut()
+                log.write(f"\n[gpu-check: killed, {'timeout' if isinstance(stop, subprocess.TimeoutExpired) else 'interrupted'}]\n")
+                raise _TimedOut() if isinstance(stop, subprocess.TimeoutExpired) else stop
         if rc != 0 and self.rc == 0:
             self.rc = rc
-        return text
-
-
-def parse_junit(path: Path) -> Optional[dict]:
-    """Counts of a pytest junit XML (tests, failures, errors, skipped, time) and the failed tests' names."""
-    if not path.exists():
-        return None
-    try:
-        root = ET.parse(path).getroot()
-    except ET.ParseError:
-        return None
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
-    counts["time"] = sum(float(s.get("time", 0)) for s in suites)
-    counts["failed_names"] = [f"{case.get('classname')}::{case.get('name')}" for s in suites
-                              for case in s.iter("testcase") if case.find("failure") is not None
-                              or case.find("error") is not None]
-    return counts
+        with open(self.log, errors="replace") as log:
+            log.seek(start)
+            return log.read()
 
 
 def _load_json(path: Path):
@@ -123,56 +114,62 @@ def _load_json(path: Path):
         return None
 
 
-def bench_json_records(path: Path) -> list:
-    """The run records of a ``bench.json``: a list of records, or a dict holding one (with run metadata)."""
-    data = _load_json(path)
-    if isinstance(data, dict):
-        data = next((v for k in ("records", "runs", "results") if isinstance(v := data.get(k), list)), [])
-    return [r for r in data if isinstance(r, dict)] if isinstance(data, list) else []
-
-
 def _json_rows(path: Path) -> list:
     rows = _load_json(path)
     return rows if isinstance(rows, list) else []
 
 
-def _suite_workers() -> int:
+def _json_dict(path: Path) -> dict:
+    data = _load_json(path)
+    return data if isinstance(data, dict) else {}
+
+
+def _test_workers() -> int:
     configured = os.environ.get("GPU_CHECK_SUITE_WORKERS")
     if configured is not None:
         return int(configured)
     return min(8, (os.cpu_count() or 2) // 2) if importlib.util.find_spec("xdist") else 0
 
 
-def _pytest(args: list, xml: Path) -> list:
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "--junitxml", str(xml)]
+def device_probe() -> dict:
+    """The GPU's name, compute capability ("9.0") and count, read in a child process so that this one
+    never holds a CUDA context while the parts measure; {} where it cannot be read."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {}
 
 
-def _bench(raw: Path, name: str, levels: str, *extra) -> list:
-    return [sys.executable, "-m", "lightning_amp.cli", "bench", "--accelerator", "cuda", "--models", "bert",
-            "--levels", levels, *extra, "--out", str(raw / name)]
+# -- the parts --------------------------------------------------------------------------------------
+# Each takes (run, raw): ``run`` a _PartRun, ``raw`` the folder for its files; returns the part's data.
 
 
 def _part_build(run, raw):
+    arch = device_probe().get("capability")
+    env = {"MAX_JOBS": str(os.cpu_count() or 1)}
+    if arch:
+        env["TORCH_CUDA_ARCH_LIST"] = arch
+    t0 = time.monotonic()
+    run([sys.executable, "setup.py", "build_ext", "--inplace"], env=env)
+    seconds = time.monotonic() - t0
     info = json.loads(run([sys.executable, "-c", _CHECK_EXT]).strip().splitlines()[-1])
-    if info["backend"] != "cuda-ext":
-        run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", "-e", "."])
-        info = json.loads(run([sys.executable, "-c", _CHECK_EXT]).strip().splitlines()[-1])
-    return info
+    ninja = shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None
+    return dict(info, build_seconds=seconds, arch=arch, max_jobs=int(env["MAX_JOBS"]), ninja=ninja)
 
 
-def _part_suite(run, raw):
-    workers = _suite_workers()
-    run(_pytest(["tests"] + (["-n", str(workers)] if workers else []), raw / "suite.xml"))
-    return {"junit": parse_junit(raw / "suite.xml"), "workers": workers}
+def _part_smoke(run, raw):
+    run([sys.executable, "-m", "lightning_amp.bench.gpu_smoke", "--json", str(raw / "smoke.json")])
+    return _json_dict(raw / "smoke.json")
 
 
-def _part_sync(run, raw):
-    run(_pytest(["tests/precision/test_precision_sync.py", "-m", "cuda"], raw / "sync.xml"))
-    return {"junit": parse_junit(raw / "sync.xml")}
+def _part_bench(run, raw):
+    run([sys.executable, "-m", "lightning_amp.bench.gpu_headline", "--json", str(raw / "bench.json")])
+    return _json_dict(raw / "bench.json")
 
 
 def _part_optim(run, raw):
-    run([sys.executable, "benchmarks/bench_optim.py", "--device", "cuda", "--ops", OPTIM_OPS,
+    run([sys.executable, "benchmarks/bench_optim.py", "--device", "cuda", "--lists", "few-large", "--ops", OPTIM_OPS,
          "--json", str(raw / "optim.json")])
     return {"rows": _json_rows(raw / "optim.json")}
 
@@ -183,47 +180,63 @@ def _part_wgrad(run, raw):
     return {"rows": _json_rows(raw / "wgrad.json")}
 
 
-def _part_bench(run, raw):
-    run(_bench(raw, "bench", BENCH_LEVELS))
-    return {"records": bench_json_records(raw / "bench" / "bench.json")}
+def _pytest_collect(name: str, marker: str):
+    def collect(run, raw):
+        log, workers = raw / f"{name}.jsonl", _test_workers()
+        if log.exists():
+            log.unlink()
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lightning_amp.bench.gpu_pytest",
+                "-m", marker, "tests"] + (["-n", str(workers)] if workers else [])
+        if importlib.util.find_spec("pytest_timeout"):
+            argv.append(f"--timeout={TEST_TIMEOUT_S}")
+        run(argv, env={LOG_ENV: str(log)})
+        return {"tests": read_outcomes(log), "workers": workers}
+    return collect
 
 
-def _part_bench_fused(run, raw):
-    run(_bench(raw, "bench-fused", FUSED_LEVELS, "--optimizer", "fused-adam"))
-    return {"records": bench_json_records(raw / "bench-fused" / "bench.json")}
+@dataclass(frozen=True)
+class Part:
+    """A part of the check: ``collect(run, raw) -> data``; started only with ``need_s`` seconds of the
+    budget left, stopped after ``cap_s`` (None: no cap of its own). ``partial(raw)`` reads what a part
+    stopped at its timeout had already written (None: nothing)."""
+
+    name: str
+    collect: Callable
+    need_s: float
+    cap_s: Optional[float]
+    partial: Optional[Callable] = None
 
 
-def _o2_forward_records(raw):
-    return {"records": _json_rows(raw / "o2-forward.json")}
+def _test_part(name: str, marker: str, need_s: float, cap_s: Optional[float]) -> Part:
+    """A part running ``pytest -m marker tests``; stopped at its timeout, it keeps the outcomes reached."""
+    return Part(name, _pytest_collect(name, marker), need_s, cap_s,
+                partial=lambda raw: {"tests": read_outcomes(raw / f"{name}.jsonl"), "workers": _test_workers()})
 
 
-def _part_o2_forward(run, raw):
-    run([sys.executable, "-m", "lightning_amp.bench.gpu_o2_forward", "--json", str(raw / "o2-forward.json")])
-    return _o2_forward_records(raw)
-
-
-_COLLECT = {"build": _part_build, "suite": _part_suite, "sync": _part_sync, "optim": _part_optim,
-            "wgrad": _part_wgrad, "bench": _part_bench, "bench-fused": _part_bench_fused,
-            "o2-forward": _part_o2_forward}
-#: where a timed-out part still has figures: the files its tools rewrite as they go
-_PARTIAL = {"optim": lambda raw: {"rows": _json_rows(raw / "optim.json")},
-            "wgrad": lambda raw: {"rows": _json_rows(raw / "wgrad.json")},
-            "o2-forward": _o2_forward_records}
+PLAN = (
+    Part("build", _part_build, need_s=30, cap_s=360),
+    Part("smoke", _part_smoke, need_s=45, cap_s=150, partial=lambda raw: _json_dict(raw / "smoke.json")),
+    Part("bench", _part_bench, need_s=90, cap_s=240, partial=lambda raw: _json_dict(raw / "bench.json")),
+    Part("optim", _part_optim, need_s=20, cap_s=90, partial=lambda raw: {"rows": _json_rows(raw / "optim.json")}),
+    Part("wgrad", _part_wgrad, need_s=15, cap_s=60, partial=lambda raw: {"rows": _json_rows(raw / "wgrad.json")}),
+    _test_part("cuda-tests", "cuda", need_s=30, cap_s=180),
+    _test_part("suite", "not cuda", need_s=30, cap_s=None),
+)
+PARTS = tuple(p.name for p in PLAN)
 
 
 @functools.lru_cache(maxsize=None)
 def environment() -> dict:
-    """The device, versions and commit the parts run with (the device name read in a child process, so
-    this process never holds a CUDA context while the parts measure)."""
-    def output(argv):
-        try:
-            return subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    device = output([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name())"]).splitlines()
-    return {"device": device[-1] if device else "unknown", "torch": torch.__version__, "cuda": torch.version.cuda,
-            "commit": output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown",
-            "python": platform.python_version(), "host": platform.node()}
+    """The device, versions and commit the parts run with."""
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    probe = device_probe()
+    return {"device": probe.get("device", "unknown"), "capability": probe.get("capability"), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "commit": commit or "unknown", "python": platform.python_version(),
+            "host": platform.node(), "cores": os.cpu_count()}
 
 
 def child_env(require_ext: bool) -> dict:
@@ -236,24 +249,48 @@ def child_env(require_ext: bool) -> dict:
     return env
 
 
-def run_part(name: str, out: Path, raw: Path, timeout_s: float) -> dict:
-    """Run part ``name``, write ``out/part-<name>.json`` and return it."""
-    started = datetime.datetime.now(datetime.timezone.utc)
-    run = _PartRun(raw / f"{name}.log", child_env(require_ext=name != "build"), timeout_s)
-    t0 = time.monotonic()
-    timed_out, data = False, {}
-    try:
-        data = _COLLECT[name](run, raw)
-    except _TimedOut:
-        timed_out = True
-        data = _PARTIAL[name](raw) if name in _PARTIAL else {}
-    log = run.log_path.read_text(errors="replace") if run.log_path.exists() else ""
-    part = {"part": name, "started": f"{started:%Y-%m-%d %H:%M:%S}", "seconds": time.monotonic() - t0,
-            "timeout_s": timeout_s, "rc": None if timed_out else run.rc, "timed_out": timed_out,
-            "commands": run.commands, "env": environment(), "log_tail": log[-20000:], "data": data}
-    with open(part_path(str(out), name), "w") as f:
+def _now() -> str:
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S}"
+
+
+def _save(out: Path, part: dict) -> dict:
+    with open(part_path(str(out), part["part"]), "w") as f:
         json.dump(part, f, indent=1, default=str)
     return part
+
+
+def run_part(part: Part, out: Path, raw: Path, timeout_s: float) -> dict:
+    """Run ``part``, write ``out/part-<name>.json`` and return it. Marked running (in that file) while it runs;
+    re-raises :class:`_Interrupted` after recording the part as interrupted."""
+    started = _now()
+    log = log_path(str(out), part.name)
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    Path(log).write_text("")
+    _save(out, {"part": part.name, "running": True, "started": started, "timeout_s": timeout_s, "env": environment()})
+    run = _PartRun(Path(log), child_env(require_ext=part.name != "build"), timeout_s)
+    t0 = time.monotonic()
+    stopped, data = None, {}
+    try:
+        data = part.collect(run, raw)
+    except _TimedOut:
+        stopped = "timed_out"
+    except _Interrupted:
+        stopped = "interrupted"
+    if stopped:
+        data = part.partial(raw) if part.partial else {}
+    text = Path(log).read_text(errors="replace")
+    record = _save(out, {"part": part.name, "started": started, "seconds": time.monotonic() - t0,
+                         "timeout_s": timeout_s, "rc": None if stopped else run.rc,
+                         "timed_out": stopped == "timed_out", "interrupted": stopped == "interrupted",
+                         "commands": run.commands, "env": environment(), "log_tail": text[-20000:], "data": data})
+    if stopped == "interrupted":
+        raise _Interrupted()
+    return record
+
+
+def not_run(out: Path, name: str, reason: str) -> dict:
+    """Record part ``name`` as NOT RUN with ``reason``."""
+    return _save(out, {"part": name, "not_run": reason, "env": environment()})
 
 
 def run_plumbing_test() -> int:
@@ -271,8 +308,56 @@ def _parse_parts(text: Optional[str]) -> list:
     chosen = [p.strip() for p in (text or "").split(",") if p.strip()] or list(PARTS)
     unknown = [p for p in chosen if p not in PARTS]
     if unknown:
-        raise ValueError(f"part must be among {','.join(PARTS)}, got {','.join(unknown)}")
+        raise ValueError(f"PART must be a comma-separated list from {','.join(PARTS)}; unknown: {','.join(unknown)}")
     return ["build"] + [p for p in PARTS[1:] if p in chosen]
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def run_parts(names: list, out: Path, raw: Path, budget: Optional[float], note: str) -> None:
+    """Run the parts ``names`` in :data:`PLAN`'s order within ``budget`` seconds (None: each to its cap),
+    rewriting the report when each starts and ends."""
+    start = time.monotonic()
+    plan = {p.name: p for p in PLAN}
+    blocked = None
+    for name in names:
+        part = plan[name]
+        left = None if budget is None else budget - (time.monotonic() - start)
+        timeout = min([x for x in (part.cap_s, left) if x is not None], default=math.inf)
+        if blocked:
+            record = not_run(out, name, blocked)
+        elif left is not None and left < part.need_s:
+            record = not_run(out, name, f"needs at least {part.need_s:.0f} s, {max(0.0, left):.0f} s of the "
+                                        f"{budget:.0f} s budget left")
+        else:
+            write_report(str(out), note=note, running=name)
+            try:
+                record = run_part(part, out, raw, timeout)
+            except _Interrupted:
+                blocked = "the check was interrupted (SIGTERM) before this part"
+                print(f"== part {name}: interrupted", flush=True)
+                write_report(str(out), note=note)
+                continue
+            if name == "build" and (record.get("data") or {}).get("backend") != "cuda-ext":
+                blocked = f"the build part did not give the CUDA extension ({part_status(record)})"
+        print(f"== part {name}: {part_status(record)}" + (f" in {record['seconds']:.0f} s" if "seconds" in record
+                                                          else ""), flush=True)
+        if record.get("log_tail"):
+            print("\n".join(record["log_tail"].splitlines()[-15:]), flush=True)
+        write_report(str(out), note=note)
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted()
 
 
 def main(argv=None) -> int:
@@ -280,11 +365,10 @@ def main(argv=None) -> int:
     parser.add_argument("--part", default=None,
                         help=f"comma-separated, from {','.join(PARTS)} (default: all; build always runs first)")
     parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT") or "gpu-check-out",
-                        help="folder for part-*.json and the report (default: $GPU_CHECK_OUT or gpu-check-out)")
-    parser.add_argument("--timeout", type=float, default=PART_TIMEOUT_S, help="seconds per part (default: 480)")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for this whole invocation (e.g. a device call's limit less a margin): each "
-                             "part's timeout is cut to what is left, and a part with under a minute left is skipped")
+                        help="folder for part-*.json, logs/ and the report (default: $GPU_CHECK_OUT or gpu-check-out)")
+    parser.add_argument("--budget", type=positive_seconds, default=None,
+                        help="seconds for this whole invocation, build included (default: no budget, each part to "
+                             "its own cap); a part that cannot fit is reported NOT RUN")
     parser.add_argument("--report-only", action="store_true", help="only re-render the report from OUT/part-*.json")
     args = parser.parse_args(argv)
     try:
@@ -303,19 +387,22 @@ def main(argv=None) -> int:
         print(f"gpu-check: plumbing test {'passed' if rc == 0 else 'FAILED'}; report in {out}/gpu-check.md")
         return rc
     else:
-        if not (ROOT / "tests").is_dir() or not (ROOT / "benchmarks").is_dir():
+        if not all((ROOT / d).is_dir() for d in ("tests", "benchmarks", "examples")):
             parser.error(f"needs a source checkout (tests/, benchmarks/, examples/) at {ROOT}")
-        deadline = None if args.budget is None else time.monotonic() + args.budget
-        with tempfile.TemporaryDirectory(prefix="gpu-check-") as raw:
-            for name in parts:
-                left = args.timeout if deadline is None else min(args.timeout, deadline - time.monotonic())
-                if deadline is not None and left < MIN_PART_S:
-                    print(f"== part {name}: skipped, {max(0.0, left):.0f} s of the budget left", flush=True)
-                    continue
-                part = run_part(name, out, Path(raw), left)
-                print(f"== part {name}: {part_status(part)} in {part['seconds']:.0f} s", flush=True)
-                print("\n".join(part["log_tail"].splitlines()[-25:]), flush=True)
-        verdicts = write_report(str(out))
+        for stale in out.glob("part-*.json"):
+            stale.unlink()  # one invocation, one report
+        raw = out / "raw"
+        raw.mkdir(exist_ok=True)
+        note = (f"`make gpu-check`, parts {','.join(parts)}, budget "
+                f"{'none' if args.budget is None else f'{args.budget:.0f} s'}; started {_now()} UTC.")
+        previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+        try:
+            run_parts(parts, out, raw, args.budget, note)
+        except _Interrupted:  # between two parts: the report below still says what finished
+            print("gpu-check: interrupted (SIGTERM)", flush=True)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        verdicts = write_report(str(out), note=note)
     print(verdict_lines(verdicts))
     print(f"report: {out}/gpu-check.md, {out}/gpu-check.json")
     return 1 if any(v.status == FAIL for v in verdicts) else 0

@@ -1,8 +1,10 @@
 """``make gpu-check``'s report: ``gpu-check.md`` and ``gpu-check.json`` from the ``part-*.json`` in a folder.
 
-The report holds one verdict line per target (:mod:`lightning_amp.bench.gpu_targets`), the status of
-each part, and the measured tables (training runs, optimizer rows, wgrad rows). Parts from several
-device calls can be copied into one folder and reported together (``--report-only``).
+The report holds one verdict line per target (:mod:`lightning_amp.bench.gpu_targets`), each part's
+status, wall time and command, the build's time, what was left out and why (parts not run, tests not
+reached, smoke checks failed), the measured tables (smoke checks, headline runs, optimizer rows, wgrad
+rows) and the log tail of every part that did not end well. A part still marked running (the check was
+killed while it ran) gets its log tail from ``logs/<part>.log``.
 """
 from __future__ import annotations
 
@@ -13,8 +15,7 @@ import math
 import os
 from dataclasses import asdict
 
-from lightning_amp.bench.gpu_targets import FAIL, NOT_RUN, PASS, bench_records, evaluate, part_status
-from lightning_amp.bench.report import markdown_table
+from lightning_amp.bench.gpu_targets import STATUSES, bench_records, evaluate, part_status, test_counts
 
 REPORT_MD, REPORT_JSON = "gpu-check.md", "gpu-check.json"
 LOG_TAIL_CHARS = 3000
@@ -22,6 +23,19 @@ LOG_TAIL_CHARS = 3000
 
 def part_path(folder: str, name: str) -> str:
     return os.path.join(folder, f"part-{name}.json")
+
+
+def log_path(folder: str, name: str) -> str:
+    """Where part ``name`` writes its log (its commands' output, as they run)."""
+    return os.path.join(folder, "logs", f"{name}.log")
+
+
+def _log_tail(folder: str, name: str) -> str:
+    try:
+        with open(log_path(folder, name), errors="replace") as log:
+            return log.read()[-20000:]
+    except OSError:
+        return ""
 
 
 def load_parts(folder: str) -> dict:
@@ -38,6 +52,8 @@ def load_parts(folder: str) -> dict:
             part = {"part": name, "unreadable": f"{os.path.basename(path)}: {type(error).__name__}: {error}"}
         if not isinstance(part, dict):
             part = {"part": name, "unreadable": f"{os.path.basename(path)} holds a {type(part).__name__}, not a part"}
+        if part.get("running") and not part.get("log_tail"):
+            part = dict(part, log_tail=_log_tail(folder, name))
         parts[part.get("part") or name] = part
     return parts
 
@@ -46,7 +62,8 @@ def _environments(parts: dict) -> list:
     seen = []
     for part in parts.values():
         env = part.get("env") or {}
-        line = ", ".join(f"{key} {env[key]}" for key in ("device", "torch", "cuda", "commit", "python") if env.get(key))
+        line = ", ".join(f"{key} {env[key]}" for key in ("device", "capability", "cores", "torch", "cuda", "commit",
+                                                           "python") if env.get(key))
         if line and line not in seen:
             seen.append(line)
     return seen
@@ -75,23 +92,59 @@ def _wgrad_table(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _o2_forward_table(records: list) -> str:
-    lines = ["| O2 forward | ms/step | peak MiB | final loss | error |", "|---|---:|---:|---:|---|"]
-    for r in records:
-        cells = [r.get("o2_forward", "?")] + [f"{r[k]:.{d}f}" if isinstance(r.get(k), (int, float)) else "-"
-                                              for k, d in (("step_time_ms", 2), ("peak_mem_mb", 0), ("final_loss", 4))]
-        lines.append("| " + " | ".join(cells + [r.get("error") or ""]) + " |")
+def _smoke_table(checks: list) -> str:
+    lines = ["| check | result | seconds | detail |", "|---|---|---:|---|"]
+    for c in checks:
+        detail = str(c.get("detail") or "").replace("|", "/").replace("\n", " ")
+        lines.append(f"| {c.get('name')} | {'ok' if c.get('ok') else 'FAILED'} | {c.get('seconds') or 0:.1f} | "
+                     f"{detail} |")
     return "\n".join(lines) + "\n"
 
 
-def render_markdown(parts: dict, verdicts: list, note: str = "") -> str:
+def _headline_table(records: list) -> str:
+    lines = ["| level | optimizer | O2 forward | ms/step | tokens/s | peak MiB | steps | steady after | final loss "
+             "| error |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        def cell(key, digits):
+            return f"{r[key]:.{digits}f}" if isinstance(r.get(key), (int, float)) else "-"
+        steady = "never" if r.get("steady") is False else str(r.get("steady_after", "-"))
+        lines.append(f"| {r.get('level')} | {r.get('optimizer', '-')} | {r.get('o2_forward', '-')} | "
+                     f"{cell('step_time_ms', 2)} | {cell('tokens_per_s', 0)} | {cell('peak_mem_mb', 0)} | "
+                     f"{r.get('steps', '-')} | {steady} | {cell('final_loss', 4)} | {r.get('error') or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def left_out(parts: dict) -> list:
+    """What the check did not do, one line each: parts not run (with the reason), parts stopped or killed,
+    tests not reached, smoke checks that failed."""
+    lines = []
+    for name, part in parts.items():
+        status = part_status(part)
+        if part.get("not_run") or part.get("running") or part.get("timed_out") or part.get("interrupted"):
+            lines.append(f"part {name}: {status}")
+        tests = (part.get("data") or {}).get("tests") or {}
+        counts = test_counts(tests.get("outcomes") or {})
+        if counts["not reached"]:
+            lines.append(f"part {name}: {counts['not reached']} of {len(tests['outcomes'])} tests not reached")
+        failed = [c for c in (part.get("data") or {}).get("checks") or [] if not c.get("ok")] if name == "smoke" else []
+        lines += [f"smoke check {c.get('name')} failed: {c.get('detail')}" for c in failed]
+    return lines
+
+
+def render_markdown(parts: dict, verdicts: list, note: str = "", running: str = "") -> str:
     now = datetime.datetime.now(datetime.timezone.utc)
-    counts = {s: sum(v.status == s for v in verdicts) for s in (PASS, FAIL, NOT_RUN)}
+    counts = {s: sum(v.status == s for v in verdicts) for s in STATUSES}
     out = [f"# lightning-amp GPU check, report of {now:%Y-%m-%d %H:%M} UTC\n"]
     if note:
         out.append(note + "\n")
+    if running:
+        out.append(f"Part {running} is running; this report is rewritten when it ends.\n")
     out += [f"- {line}" for line in _environments(parts)] or ["- no part ran"]
-    out.append(f"\n**{counts[PASS]} PASS, {counts[FAIL]} FAIL, {counts[NOT_RUN]} NOT RUN**\n")
+    build = (parts.get("build") or {}).get("data") or {}
+    if isinstance(build.get("build_seconds"), (int, float)):
+        out.append(f"- build: {build['build_seconds']:.0f} s for compute capability {build.get('arch')}, "
+                   f"MAX_JOBS={build.get('max_jobs')}, ninja {'yes' if build.get('ninja') else 'no'}")
+    out.append("\n**" + ", ".join(f"{counts[s]} {s}" for s in STATUSES) + "**\n")
     out += ["## Verdicts\n", "| verdict | target | measured | limit | figures |", "|---|---|---:|---:|---|"]
     out += [f"| {v.status} | {v.what} | {v.measured} | {v.limit} | {v.detail} |" for v in verdicts]
     out += ["\n## Parts\n", "| part | status | seconds | started (UTC) | commands |", "|---|---|---:|---|---|"]
@@ -99,41 +152,51 @@ def render_markdown(parts: dict, verdicts: list, note: str = "") -> str:
         commands = "; ".join(f"`{c}`" for c in part.get("commands") or [])
         out.append(f"| {name} | {part_status(part)} | {part.get('seconds') or 0:.0f} | {part.get('started', '-')} | "
                    f"{commands} |")
+    missing = left_out(parts)
+    out += ["\n## Left out\n"] + ([f"- {line}" for line in missing] or ["- nothing"])
+    checks = ((parts.get("smoke") or {}).get("data") or {}).get("checks")
+    if checks:
+        out += ["\n## CUDA smoke (`lightning_amp.bench.gpu_smoke`)\n", _smoke_table(checks)]
     records = bench_records(parts)
     if records:
-        out += ["\n## Training runs (`lightning-amp bench`)\n", markdown_table(records)]
-    forwards = ((parts.get("o2-forward") or {}).get("data") or {}).get("records")
-    if forwards:
-        out += ["\n## O2's half op policy against torch's autocast lists (`lightning_amp.bench.gpu_o2_forward`)\n",
-                _o2_forward_table(forwards)]
+        out += ["\n## Headline: BERT-base (`lightning_amp.bench.gpu_headline`)\n", _headline_table(records)]
     optim = ((parts.get("optim") or {}).get("data") or {}).get("rows")
     if optim:
         out += ["\n## Optimizers and multi-tensor ops (`benchmarks/bench_optim.py`)\n", _optim_table(optim)]
     wgrad = ((parts.get("wgrad") or {}).get("data") or {}).get("rows")
     if wgrad:
         out += ["\n## Weight-gradient GEMM (`benchmarks/bench_wgrad.py`)\n", _wgrad_table(wgrad)]
-    broken = [(name, part) for name, part in parts.items() if part_status(part) != "ok"]
+    broken = [(name, part) for name, part in parts.items() if part_status(part) != "ok" and not part.get("not_run")]
     for name, part in broken:
         out += [f"\n## Log tail of part {name} ({part_status(part)})\n", "```",
                 (part.get("log_tail") or "")[-LOG_TAIL_CHARS:], "```"]
     return "\n".join(out) + "\n"
 
 
-def write_report(folder: str, note: str = "") -> list:
-    """Evaluate the parts in ``folder`` and write the report there; returns the verdicts."""
+def _write_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so a kill mid-write leaves the previous report."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def write_report(folder: str, note: str = "", running: str = "") -> list:
+    """Evaluate the parts in ``folder`` and write the report there (``running``: the part now running, if
+    any); returns the verdicts."""
     parts = load_parts(folder)
     verdicts = evaluate(parts)
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, REPORT_MD), "w") as md:
-        md.write(render_markdown(parts, verdicts, note))
+    _write_atomically(os.path.join(folder, REPORT_MD), render_markdown(parts, verdicts, note, running))
     summary = {"generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "note": note, "environments": _environments(parts),
+               "note": note, "running": running or None, "environments": _environments(parts),
+               "build_seconds": ((parts.get("build") or {}).get("data") or {}).get("build_seconds"),
+               "left_out": left_out(parts),
                "verdicts": [dict(asdict(v), value=v.value if v.value is not None and math.isfinite(v.value) else None)
                             for v in verdicts],
                "parts": {name: {"status": part_status(p), "seconds": p.get("seconds"), "rc": p.get("rc"),
+                                "timeout_s": p.get("timeout_s") if math.isfinite(p.get("timeout_s") or 0) else None,
                                 "commands": p.get("commands")} for name, p in parts.items()}}
-    with open(os.path.join(folder, REPORT_JSON), "w") as js:
-        json.dump(summary, js, indent=1, allow_nan=False, default=str)
+    _write_atomically(os.path.join(folder, REPORT_JSON), json.dumps(summary, indent=1, allow_nan=False, default=str))
     return verdicts
 
 

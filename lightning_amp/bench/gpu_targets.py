@@ -1,23 +1,27 @@
 """The GPU targets of issue 19 as verdicts over the outputs of ``make gpu-check``'s parts.
 
 Each part writes ``part-<name>.json`` (see :mod:`lightning_amp.bench.gpu_check`): its exit status, time,
-log tail and ``data`` (junit counts, ``bench_optim``/``bench_wgrad`` rows, ``lightning-amp bench``
-records). :func:`evaluate` turns the parts present into one :class:`Verdict` per target: ``PASS`` or
-``FAIL`` with the measured figure, or ``NOT RUN`` when the part that measures it is absent. A part that
-ran but lacks the figure (it crashed, timed out, a run failed, or its file cannot be read) gives
-``FAIL``, and so does a figure that is not a finite number (a time or a size that is not positive, a
-ratio that overflows) and a test suite in which no test passed. Ratios are taken within one part's run
-(or two bench parts of the same device), never across devices. The thresholds are those of the table
-in docs/benchmarks.md, which ``tests/bench/test_gpu_check.py`` holds against :data:`TARGETS`.
+log tail and ``data`` (smoke checks, headline records, ``bench_optim``/``bench_wgrad`` rows, test
+outcomes), or ``not_run`` with the reason it did not run. :func:`evaluate` turns the parts into one
+:class:`Verdict` per target: ``PASS`` or ``FAIL`` with the measured figure, ``NOT RUN`` (with the reason)
+when the part that measures it did not run, or ``INCOMPLETE`` when a test part ran out of time with no
+test failed and some tests not reached. A part that ran but lacks the figure (it crashed, timed out, was
+killed while running, a run failed, or its file cannot be read) gives ``FAIL``, and so does a figure
+that is not a finite number (a time or a size that is not positive, a ratio that overflows), a step time
+that never settled, a test run in which no test passed, and a sync-debug run with a skipped test.
+Ratios are taken within one part's run, never across devices. The thresholds are those of the table in
+docs/benchmarks.md, which ``tests/bench/test_gpu_check.py`` holds against :data:`TARGETS`.
 """
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
+PASS, FAIL, NOT_RUN, INCOMPLETE = "PASS", "FAIL", "NOT RUN", "INCOMPLETE"
+STATUSES = (PASS, FAIL, INCOMPLETE, NOT_RUN)
+#: the test file whose CUDA tests are the no-host-sync verdict
+SYNC_TESTS = "tests/precision/test_precision_sync.py::"
 #: the bench_optim list the bandwidth-bound targets are judged on (4 tensors of 4M elements on cuda)
 OPTIM_LIST = "few-large"
 O2_FUSED = ("O2", True)
@@ -32,6 +36,10 @@ class NotRun(Exception):
 
 class Missing(Exception):
     """The part ran, but the figure is not in its output."""
+
+
+class Incomplete(Exception):
+    """A test part ran out of time: no test failed, some were not reached."""
 
 
 @dataclass(frozen=True)
@@ -73,15 +81,25 @@ def _show(value: Optional[float], unit: str) -> str:
 def _part(parts: dict, name: str) -> dict:
     if name not in parts:
         raise NotRun(f"part {name} not run")
+    if parts[name].get("not_run"):
+        raise NotRun(f"part {name} not run: {parts[name]['not_run']}")
     return parts[name]
 
 
 def part_status(part: dict) -> str:
-    """"ok", "unreadable (why)", "timed out after N s", "crashed (signal N)" or "failed (exit N)"."""
+    """"ok", "NOT RUN: why", "unreadable (why)", "running, or killed while running", "interrupted",
+    "timed out after N s", "crashed (signal N)" or "failed (exit N)"."""
+    if part.get("not_run"):
+        return f"NOT RUN: {part['not_run']}"
     if part.get("unreadable"):
         return f"unreadable ({part['unreadable']})"
+    if part.get("running"):
+        return f"running, or killed while running (started {part.get('started', '?')} UTC)"
+    if part.get("interrupted"):
+        return "interrupted (SIGTERM)"
     if part.get("timed_out"):
-        return f"timed out after {part.get('timeout_s', '?')} s"
+        timeout = part.get("timeout_s")
+        return f"timed out after {timeout:.0f} s" if isinstance(timeout, (int, float)) else "timed out"
     rc = part.get("rc")
     if rc == 0:
         return "ok"
@@ -115,54 +133,98 @@ def _build(parts):
     return (1.0 if backend == "cuda-ext" else 0.0), f"backend {backend}" + (f"; {error}" if error else "")
 
 
-def _junit(parts, name):
+def test_counts(outcomes: dict) -> dict:
+    """passed / failed / skipped / not reached counts of a map test id -> outcome."""
+    return {o: sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped", "not reached")}
+
+
+def judge_tests(part: dict, outcomes: dict, skipped_allowed: bool) -> tuple:
+    """(1.0 or 0.0, detail) of a test run's ``outcomes`` (test id -> "passed", "failed", "skipped" or
+    "not reached"); raises :class:`Incomplete` when the run was stopped with tests not reached and none
+    failed. 0.0 (FAIL): a test failed, pytest crashed (an exit status other than 0 and 1 when it was not
+    stopped), no test was collected or passed, a test was skipped where ``skipped_allowed`` is false, or
+    tests were left without an outcome by a run that was not stopped."""
+    counts = test_counts(outcomes)
+    stopped = part.get("timed_out") or part.get("interrupted")
+    detail = (f"{counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed, "
+              f"{counts['not reached']} not reached of {len(outcomes)}; {part_status(part)}")
+    failed = [t for t, v in outcomes.items() if v == "failed"]
+    if failed:
+        detail += "; failed: " + ", ".join(failed[:8]) + (f" and {len(failed) - 8} more" if len(failed) > 8 else "")
+    skipped = [t for t, v in outcomes.items() if v == "skipped"]
+    if skipped and not skipped_allowed:
+        detail += "; skipped where none may be: " + ", ".join(skipped[:4])
+    if counts["failed"] or (skipped and not skipped_allowed) or not outcomes:
+        return 0.0, detail
+    if not stopped and part.get("rc") not in (0, 1):
+        return 0.0, detail
+    if counts["not reached"]:
+        if stopped:
+            raise Incomplete(detail)
+        return 0.0, detail
+    return (1.0 if counts["passed"] > 0 else 0.0), detail
+
+
+def _test_outcomes(parts, name) -> tuple:
     part = _part(parts, name)
-    junit = (part.get("data") or {}).get("junit")
-    if not junit:
-        raise _broken(part, "junit report")
-    failed = junit.get("failures", 0) + junit.get("errors", 0)
-    passed = junit.get("tests", 0) - failed - junit.get("skipped", 0)
-    detail = (f"{passed} passed, {junit.get('skipped', 0)} skipped, {failed} failed/errors in "
-              f"{junit.get('time', 0):.0f} s; exit {part.get('rc')}")
-    if junit.get("failed_names"):
-        detail += "; failed: " + ", ".join(junit["failed_names"][:8])
-    return junit, passed, failed, detail
+    tests = (part.get("data") or {}).get("tests")
+    if not tests or not isinstance(tests.get("outcomes"), dict):
+        raise _broken(part, "test outcomes")
+    return part, tests["outcomes"]
 
 
-def _suite(parts):
-    junit, passed, failed, detail = _junit(parts, "suite")
-    clean = failed == 0 and passed > 0 and parts["suite"].get("rc") == 0
-    return (1.0 if clean else 0.0), detail
+def _tests(name):
+    def measure(parts):
+        part, outcomes = _test_outcomes(parts, name)
+        return judge_tests(part, outcomes, skipped_allowed=True)
+    return measure
 
 
 def _sync(parts):
-    junit, passed, failed, detail = _junit(parts, "sync")
-    clean = failed == 0 and passed > 0 and junit.get("skipped", 0) == 0 and parts["sync"].get("rc") == 0
-    return (1.0 if clean else 0.0), detail
+    part, outcomes = _test_outcomes(parts, "cuda-tests")
+    sync = {t: v for t, v in outcomes.items() if t.startswith(SYNC_TESTS)}
+    if not sync:
+        raise _broken(part, f"{SYNC_TESTS}* test")
+    return judge_tests(part, sync, skipped_allowed=False)
+
+
+def _smoke(parts):
+    part = _part(parts, "smoke")
+    checks = (part.get("data") or {}).get("checks")
+    if not checks:
+        raise _broken(part, "smoke checks")
+    failed = [c for c in checks if not c.get("ok")]
+    detail = f"{len(checks) - len(failed)} of {len(checks)} checks passed; {part_status(part)}"
+    if failed:
+        detail += "; failed: " + "; ".join(f"{c.get('name')}: {c.get('detail')}" for c in failed[:6])
+    complete = part.get("rc") == 0 and not part.get("timed_out") and not part.get("interrupted")
+    return (1.0 if complete and not failed else 0.0), detail
 
 
 def bench_records(parts: dict) -> list:
-    """The records of the bench parts (``bench`` first, then ``bench-fused``), each with ``part`` added."""
-    records = []
-    for name in ("bench", "bench-fused"):
-        for record in ((parts.get(name) or {}).get("data") or {}).get("records") or []:
-            records.append(dict(record, part=name))
-    return records
+    """The records of the headline part ``bench`` (one per run, in run order)."""
+    return list(((parts.get("bench") or {}).get("data") or {}).get("records") or [])
 
 
 def _is_fused(record: dict) -> bool:
     return str(record.get("optimizer") or "").startswith("FusedAdam")
 
 
-def _run(parts, levels, fused: bool) -> dict:
-    part_name = "bench-fused" if fused else "bench"
-    part = _part(parts, part_name)
+def _run(parts, levels, fused: bool, o2_forward: str = "half") -> dict:
+    """The headline record of a level in ``levels`` (with FusedAdam or not; O2's runs with the given
+    forward); Missing where it failed or its step time never settled."""
+    part = _part(parts, "bench")
     for record in bench_records(parts):
-        if record["part"] == part_name and record.get("level") in levels and _is_fused(record) == fused:
+        if record.get("level") in levels and _is_fused(record) == fused and \
+                record.get("o2_forward", "half") == o2_forward:
+            name = record.get("level") + (" with torch's autocast lists" if o2_forward == "fp32" else "")
             if record.get("error"):
-                raise Missing(f"{record.get('level')} run failed: {record['error']}")
+                raise Missing(f"{name} run failed: {record['error']}")
+            if record.get("steady") is False:
+                raise Missing(f"{name} step time never settled in {record.get('steps')} steps")
             return record
-    raise _broken(part, f"{'/'.join(levels)} run" + (" with FusedAdam" if fused else ""))
+    raise _broken(part, f"{'/'.join(levels)} run" + (" with FusedAdam" if fused else "")
+                  + (" and norm_policy='fp32'" if o2_forward == "fp32" else ""))
 
 
 def _o2_against(parts, levels):
@@ -196,7 +258,7 @@ def _o2_loss(parts):
         raise Missing("a final loss is missing (diverged?)")
     steps = min(o2.get("steps") or 0, base.get("steps") or 0)
     if steps < 300:
-        raise Missing(f"only {steps} timed steps (the target is after 300)")
+        raise Missing(f"only {steps} steps trained (the target is after 300)")
     o2_loss = _figure(o2["final_loss"], "O2+FusedAdam final_loss", positive=False)
     base_loss = _figure(base["final_loss"], f"{base['level']} final_loss", positive=False)
     difference = abs(o2_loss - base_loss) / abs(base_loss)
@@ -206,28 +268,15 @@ def _o2_loss(parts):
     return difference, detail
 
 
-def _o2_forward_steps(parts) -> dict:
-    """Step times (ms) of the ``o2-forward`` part's runs that succeeded, by forward ("half", "fp32")."""
-    part = _part(parts, "o2-forward")
-    records = [r for r in (part.get("data") or {}).get("records") or [] if not r.get("error")]
-    devices = {r.get("device_name") for r in records}
-    if len(devices) > 1:
-        raise Missing(f"o2-forward runs on several devices: {sorted(map(str, devices))}")
-    steps = {f: [_figure(r["step_time_ms"], f"o2-forward {f} step_time_ms") for r in records
-                 if r.get("o2_forward") == f] for f in ("half", "fp32")}
-    if not steps["half"] or not steps["fp32"]:
-        raise _broken(part, "O2 runs with norm_policy half and fp32")
-    return steps
-
-
 def _o2_forward(parts):
-    steps = _o2_forward_steps(parts)
-    half, fp32 = statistics.median(steps["half"]), statistics.median(steps["fp32"])
-    ratio = half / fp32
-    decision = (f"the fp32 lists cost {fp32 / half - 1:.1%}: keep norm_policy='half'" if ratio <= O2_FORWARD_LIMIT
-                else f"the fp32 lists cost {fp32 / half - 1:.1%} (< 2%): norm_policy='fp32' may become the default")
-    return ratio, (f"half op policy {half:.1f} ms, torch's autocast lists {fp32:.1f} ms per step (medians of "
-                   f"{len(steps['half'])} + {len(steps['fp32'])} runs); {decision}")
+    half, fp32 = _run(parts, ("O2",), fused=True), _run(parts, ("O2",), fused=True, o2_forward="fp32")
+    half_ms = _figure(half.get("step_time_ms"), "O2+FusedAdam step_time_ms")
+    fp32_ms = _figure(fp32.get("step_time_ms"), "O2+FusedAdam norm_policy='fp32' step_time_ms")
+    ratio = half_ms / fp32_ms
+    decision = (f"the fp32 lists cost {fp32_ms / half_ms - 1:.1%}: keep norm_policy='half'"
+                if ratio <= O2_FORWARD_LIMIT else
+                f"the fp32 lists cost {fp32_ms / half_ms - 1:.1%} (< 2%): norm_policy='fp32' may become the default")
+    return ratio, f"half op policy {half_ms:.1f} ms, torch's autocast lists {fp32_ms:.1f} ms per step; {decision}"
 
 
 def _optim_rows(parts):
@@ -289,13 +338,17 @@ WGRAD_SHAPES = ((4096, 1024, 4096), (4096, 4096, 1024), (2048, 1024, 3072))  # b
 
 
 def _targets() -> list:
-    bench = "bench, bench-fused"
+    bench = "bench"
     t = [
         Target("build", "CUDA extension built and loaded (backend cuda-ext)", ">=", 1.0, "ok", _build, "build"),
-        Target("suite", "whole suite, LIGHTNING_AMP_REQUIRE_EXT=1: 0 failed, no crash, > 0 passed", ">=", 1.0, "ok",
-               _suite, "suite"),
+        Target("smoke", "CUDA smoke: compiled ops = fallbacks, O2's policy, O1-O3 Trainer steps, sync-debug step, "
+               "tp_fused step", ">=", 1.0, "ok", _smoke, "smoke"),
         Target("no_host_sync", "no host sync in O1/O2/O3 steps (set_sync_debug_mode('error')): all pass, none skipped",
-               ">=", 1.0, "ok", _sync, "sync"),
+               ">=", 1.0, "ok", _sync, "cuda-tests"),
+        Target("cuda_tests", "-m cuda tests, LIGHTNING_AMP_REQUIRE_EXT=1: 0 failed, no crash, > 0 passed, all reached",
+               ">=", 1.0, "ok", _tests("cuda-tests"), "cuda-tests"),
+        Target("suite", "the other tests (-m 'not cuda'), LIGHTNING_AMP_REQUIRE_EXT=1: 0 failed, no crash, > 0 passed, "
+               "all reached", ">=", 1.0, "ok", _tests("suite"), "suite"),
         Target("o2_vs_bf16_true", "O2+FusedAdam step time / bf16-true", "<=", 1.03, "x",
                _o2_step_vs(("bf16-true",), speedup=False), bench),
         Target("o2_speedup_vs_tf32", "O2+FusedAdam speed-up over TF32 (32-true)", ">=", 2.15, "x",
@@ -306,7 +359,7 @@ def _targets() -> list:
         Target("o2_loss_vs_tf32", "O2+FusedAdam final loss vs TF32 after 300 steps", "<=", 0.02, "%", _o2_loss, bench),
         Target("o2_half_ops_vs_fp32_ops",
                "O2's half op policy: step <= 0.98x O2 with torch's autocast lists (norm_policy='fp32')", "<=",
-               O2_FORWARD_LIMIT, "x", _o2_forward, "o2-forward"),
+               O2_FORWARD_LIMIT, "x", _o2_forward, bench),
     ]
     for mode, torch_name in (("fp32", "torch fused AdamW"), ("master", "torch fused AdamW on fp32 masters + copies"),
                              ("bf16", "torch fused AdamW")):
@@ -335,6 +388,8 @@ def judge(target: Target, parts: dict) -> Verdict:
         value, detail = target.measure(parts)
     except NotRun as reason:
         return Verdict(target.key, target.what, NOT_RUN, None, "-", target.limit(), str(reason))
+    except Incomplete as reason:
+        return Verdict(target.key, target.what, INCOMPLETE, None, "-", target.limit(), str(reason))
     except (Missing, KeyError, TypeError, ZeroDivisionError) as reason:
         return Verdict(target.key, target.what, FAIL, None, "-", target.limit(), f"{type(reason).__name__}: {reason}"
                        if not isinstance(reason, Missing) else str(reason))

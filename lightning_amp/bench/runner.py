@@ -11,7 +11,7 @@ import json
 import multiprocessing
 import os
 import tempfile
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -59,12 +59,16 @@ def _context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
-def run_isolated(spec: RunSpec, workdir: str, context=None) -> dict:
-    """Run one spec in a fresh process; returns its record (a failure record if the process died)."""
+def run_isolated(spec: RunSpec, workdir: str, context=None, child: Callable = run_to_file, name: str = "") -> dict:
+    """Run one spec in a fresh process; returns its record (a failure record if the process died).
+
+    ``child(spec, result_path, log_path)`` (a picklable callable, default
+    :func:`~lightning_amp.bench.worker.run_to_file`) runs in that process and writes the record as JSON to
+    ``result_path``; ``name`` tells runs of one spec apart in ``workdir``."""
     context = context or _context()
-    stem = os.path.join(workdir, f"{spec.model}-{spec.level}")
+    stem = os.path.join(workdir, f"{spec.model}-{spec.level}{name}")
     result_path, log_path = stem + ".json", stem + ".log"
-    process = context.Process(target=run_to_file, args=(spec, result_path, log_path), name=f"bench-{spec.model}-{spec.level}")
+    process = context.Process(target=child, args=(spec, result_path, log_path), name=f"bench-{spec.model}-{spec.level}")
     process.start()
     process.join(RUN_TIMEOUT_S)
     if process.is_alive():

@@ -169,8 +169,11 @@ def device_description(device_type: str) -> str:
     return f"{model} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
-def run(spec: RunSpec) -> dict:
-    """Train ``spec.warmup + spec.steps`` steps in this process and return the result record."""
+def run(spec: RunSpec, window: Optional[L.Callback] = None) -> dict:
+    """Train ``spec.warmup + spec.steps`` steps in this process and return the result record.
+
+    ``window``: the timing callback (default: a :class:`~lightning_amp.bench.timing.StepWindow` over the
+    ``spec.steps`` steps after the warm-up); any callback with ``seconds_per_step()`` and ``losses()``."""
     import lightning_amp  # noqa: F401  (registers lightning-amp's strategy; imports the plugins)
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -191,7 +194,7 @@ def run(spec: RunSpec) -> dict:
     use_optimizer(example.module, spec.optimizer)
     batches = draw_batches(example.train_dataloader, total, torch.device(device_type))
     batches_mib = _nbytes(batches) / 2**20  # held for the whole run; not part of the level's footprint
-    window = StepWindow(clock_for(device_type), first=spec.warmup, steps=spec.steps)
+    window = window or StepWindow(clock_for(device_type), first=spec.warmup, steps=spec.steps)
     trainer = L.Trainer(
         accelerator="gpu" if device_type == "cuda" else "cpu", devices=1, max_steps=total, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[window],
@@ -245,10 +248,11 @@ def failure_record(spec: RunSpec, error: str) -> dict:
             "loss_curve": [], "size": spec.size, "error": error}
 
 
-def run_to_file(spec: RunSpec, result_path: str, log_path: Optional[str] = None) -> None:
+def run_to_file(spec: RunSpec, result_path: str, log_path: Optional[str] = None, measure=None) -> None:
     """Process entry point: run ``spec`` and write its record (or a failure record) as JSON to ``result_path``.
 
     stdout and stderr go to ``log_path`` (when given) so the parent's progress display stays clean.
+    ``measure(spec) -> record`` replaces :func:`run` (e.g. a run with another timing window).
     """
     if log_path:
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -256,7 +260,7 @@ def run_to_file(spec: RunSpec, result_path: str, log_path: Optional[str] = None)
         os.dup2(log, 2)
         os.close(log)
     try:
-        record = run(spec)
+        record = (measure or run)(spec)
     except Exception:  # noqa: BLE001 - any failure becomes a failure record, the benchmark goes on
         traceback.print_exc()
         record = failure_record(spec, traceback.format_exc(limit=3).strip().splitlines()[-1])
