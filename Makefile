@@ -11,11 +11,13 @@ STAMP  := $(VENV)/.lightning-amp-installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-# gpu-check: the GPU claims, part by part (PART=suite,sync,... or all), report in GPU_CHECK_OUT;
-# GPU_CHECK_BUDGET=seconds caps the whole invocation (parts past it are skipped). It runs
-# with the python that holds torch: .venv's where there is one, else python3 (the offline GPU machines'),
-# and installs the package into it itself (pip --no-index -e .). Without a GPU: says so, checks its own
-# plumbing, exits 0. See "On a GPU machine" in the README.
+# gpu-check: one command that proves this commit on the GPU present: build (for its compute capability,
+# MAX_JOBS = cores), smoke, bench, optim, wgrad, cuda-tests, suite, in that order (PART=smoke,bench,...
+# picks some; build always runs); report in GPU_CHECK_OUT, rewritten as each part ends.
+# GPU_CHECK_BUDGET=seconds caps the whole invocation, build included (a part that cannot fit is
+# reported NOT RUN). It runs with the python that holds torch: .venv's where there is one, else python3
+# (the offline GPU machines'), and builds the extension in place (setup.py build_ext --inplace, no
+# network). Without a GPU: says so, checks its own plumbing, exits 0. See docs/benchmarks.md.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_CHECK_OUT ?= gpu-check-out
 GPU_CHECK_BUDGET ?=

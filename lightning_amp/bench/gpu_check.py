@@ -260,13 +260,12 @@ def _save(out: Path, part: dict) -> dict:
 
 
 def run_part(part: Part, out: Path, raw: Path, timeout_s: float) -> dict:
-    """Run ``part``, write ``out/part-<name>.json`` and return it. Marked running (in that file) while it runs;
-    re-raises :class:`_Interrupted` after recording the part as interrupted."""
+    """Run ``part``, write ``out/part-<name>.json`` and return it; its log goes to ``out/logs/<name>.log``
+    as it runs. Re-raises :class:`_Interrupted` after recording the part as interrupted."""
     started = _now()
     log = log_path(str(out), part.name)
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     Path(log).write_text("")
-    _save(out, {"part": part.name, "running": True, "started": started, "timeout_s": timeout_s, "env": environment()})
     run = _PartRun(Path(log), child_env(require_ext=part.name != "build"), timeout_s)
     t0 = time.monotonic()
     stopped, data = None, {}
@@ -339,7 +338,8 @@ def run_parts(names: list, out: Path, raw: Path, budget: Optional[float], note: 
             record = not_run(out, name, f"needs at least {part.need_s:.0f} s, {max(0.0, left):.0f} s of the "
                                         f"{budget:.0f} s budget left")
         else:
-            write_report(str(out), note=note, running=name)
+            _save(out, {"part": name, "running": True, "started": _now(), "timeout_s": timeout, "env": environment()})
+            write_report(str(out), note=note, running=name)  # what a kill during this part leaves
             try:
                 record = run_part(part, out, raw, timeout)
             except _Interrupted:

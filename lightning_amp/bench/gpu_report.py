@@ -101,16 +101,30 @@ def _smoke_table(checks: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ratio(numerator, denominator) -> str:
+    ok = all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in (numerator, denominator))
+    return f"{numerator / denominator:.2f}x" if ok else "-"
+
+
 def _headline_table(records: list) -> str:
+    """The headline runs with their ratios, all from the one run: speed-up over TF32 and over bf16-mixed
+    (their step time over this one's), peak memory over TF32's."""
+    def baseline(level):
+        return next((r for r in records if r.get("level") == level and not r.get("error")), {})
+    tf32, mixed = baseline("32-true"), baseline("bf16-mixed")
     lines = ["| level | optimizer | O2 forward | ms/step | tokens/s | peak MiB | steps | steady after | final loss "
-             "| error |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| speed-up vs TF32 | vs bf16-mixed | memory / TF32 | error |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in records:
         def cell(key, digits):
             return f"{r[key]:.{digits}f}" if isinstance(r.get(key), (int, float)) else "-"
         steady = "never" if r.get("steady") is False else str(r.get("steady_after", "-"))
-        lines.append(f"| {r.get('level')} | {r.get('optimizer', '-')} | {r.get('o2_forward', '-')} | "
+        step = r.get("step_time_ms")
+        lines.append(f"| {r.get('level')} | {r.get('optimizer', '-')} | {r.get('o2_forward') or '-'} | "
                      f"{cell('step_time_ms', 2)} | {cell('tokens_per_s', 0)} | {cell('peak_mem_mb', 0)} | "
-                     f"{r.get('steps', '-')} | {steady} | {cell('final_loss', 4)} | {r.get('error') or ''} |")
+                     f"{r.get('steps', '-')} | {steady} | {cell('final_loss', 4)} | "
+                     f"{_ratio(tf32.get('step_time_ms'), step)} | {_ratio(mixed.get('step_time_ms'), step)} | "
+                     f"{_ratio(r.get('peak_mem_mb'), tf32.get('peak_mem_mb'))} | {r.get('error') or ''} |")
     return "\n".join(lines) + "\n"
 
 
@@ -202,4 +216,4 @@ def write_report(folder: str, note: str = "", running: str = "") -> list:
 
 def verdict_lines(verdicts: list) -> str:
     """The verdicts as aligned text lines (printed last, so a device call's output tail shows them)."""
-    return "\n".join(f"{v.status:<8} {v.key:<32} {v.measured:>9} (target {v.limit}) {v.detail}" for v in verdicts)
+    return "\n".join(f"{v.status:<10} {v.key:<32} {v.measured:>9} (target {v.limit}) {v.detail}" for v in verdicts)

@@ -216,7 +216,7 @@ def _run(parts, levels, fused: bool, o2_forward: str = "half") -> dict:
     part = _part(parts, "bench")
     for record in bench_records(parts):
         if record.get("level") in levels and _is_fused(record) == fused and \
-                record.get("o2_forward", "half") == o2_forward:
+                (record.get("o2_forward") or "half") == o2_forward:
             name = record.get("level") + (" with torch's autocast lists" if o2_forward == "fp32" else "")
             if record.get("error"):
                 raise Missing(f"{name} run failed: {record['error']}")
