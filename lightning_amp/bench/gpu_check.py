@@ -146,7 +146,7 @@ def device_probe() -> dict:
 
 
 def _part_build(run, raw):
-    arch = device_probe().get("capability")
+    arch = environment().get("capability")
     env = {"MAX_JOBS": str(os.cpu_count() or 1)}
     if arch:
         env["TORCH_CUDA_ARCH_LIST"] = arch
@@ -275,6 +275,11 @@ def run_part(part: Part, out: Path, raw: Path, timeout_s: float) -> dict:
         stopped = "timed_out"
     except _Interrupted:
         stopped = "interrupted"
+    except Exception as error:  # noqa: BLE001 - e.g. a command's output that cannot be read: the part failed
+        with open(log, "a") as f:
+            f.write(f"\n[gpu-check: reading the part's output failed: {type(error).__name__}: {error}]\n")
+        run.rc = run.rc or 1
+        data = part.partial(raw) if part.partial else {}
     if stopped:
         data = part.partial(raw) if part.partial else {}
     text = Path(log).read_text(errors="replace")
@@ -375,7 +380,7 @@ def main(argv=None) -> int:
         parts = _parse_parts(args.part)
     except ValueError as error:
         parser.error(str(error))
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the parts' commands run in ROOT
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         verdicts = write_report(str(out))

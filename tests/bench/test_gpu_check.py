@@ -499,6 +499,12 @@ def test_a_failing_command_sets_the_part_exit_status(tmp_path, fake_gpu):
     assert record["rc"] == 3 and not record["timed_out"] and "hello" in record["log_tail"]
     assert record["commands"][0].startswith("PROBE=1 ") and (tmp_path / "logs" / "wgrad.log").exists()
 
+    def unreadable(run, raw):  # a command whose output cannot be parsed: the part fails, the check goes on
+        return json.loads(run([sys.executable, "-c", "print('Segmentation fault')"]))
+    record = gpu_check.run_part(Part("build", unreadable, 1, None), tmp_path, tmp_path, timeout_s=60)
+    assert record["rc"] == 1 and "reading the part's output failed: JSONDecodeError" in record["log_tail"]
+    assert _verdict({"build": record}, "build").status == FAIL
+
 
 def test_the_parts_run_in_the_issues_order(tmp_path, fake_gpu, monkeypatch):
     assert gpu_check.PARTS == ORDER
