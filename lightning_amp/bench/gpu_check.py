@@ -398,6 +398,9 @@ def main(argv=None) -> int:
             stale.unlink()  # one invocation, one report
         raw = out / "raw"
         raw.mkdir(exist_ok=True)
+        for name in PARTS:
+            if name not in parts:
+                not_run(out, name, f"not asked for (PART={args.part})")
         note = (f"`make gpu-check`, parts {','.join(parts)}, budget "
                 f"{'none' if args.budget is None else f'{args.budget:.0f} s'}; started {_now()} UTC.")
         previous = signal.signal(signal.SIGTERM, _raise_interrupted)

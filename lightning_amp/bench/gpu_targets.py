@@ -169,6 +169,8 @@ def _test_outcomes(parts, name) -> tuple:
     part = _part(parts, name)
     tests = (part.get("data") or {}).get("tests")
     if not tests or not isinstance(tests.get("outcomes"), dict):
+        if (part.get("timed_out") or part.get("interrupted")) and not part.get("unreadable"):
+            raise Incomplete(f"{part_status(part)} before pytest had collected the tests: none reached")
         raise _broken(part, "test outcomes")
     return part, tests["outcomes"]
 

@@ -278,6 +278,11 @@ def test_tests_not_reached_make_a_stopped_run_incomplete_and_a_finished_one_fail
     assert _verdict(parts, "suite").status == FAIL
     parts["suite"] = _test_part("suite", _tests(passed=400, failed=0), rc=-9)
     assert "signal 9" in _verdict(parts, "suite").detail
+    parts["suite"] = _part("suite", {"tests": None}, rc=None, timed_out=True)  # stopped while xdist started
+    verdict = _verdict(parts, "suite")
+    assert verdict.status == INCOMPLETE and "before pytest had collected the tests: none reached" in verdict.detail
+    parts["suite"] = _part("suite", {"tests": None}, rc=2)  # ended without a collection: broken
+    assert _verdict(parts, "suite").status == FAIL
 
 
 @pytest.mark.parametrize("content", ["{not json", "", "[1, 2]", "\xff\xfe"])
@@ -516,7 +521,9 @@ def test_the_parts_run_in_the_issues_order(tmp_path, fake_gpu, monkeypatch):
     calls.clear()
     gpu_check.main(["--out", str(tmp_path), "--part", "suite,wgrad,smoke"])
     assert calls == ["build", "smoke", "wgrad", "suite"]  # the plan's order, build first, whatever PART says
-    assert sorted(p.name[5:-5] for p in tmp_path.glob("part-*.json")) == sorted(calls)  # one run, one report
+    report = json.loads((tmp_path / "gpu-check.json").read_text())  # one run, one report: no part of the last
+    assert {name: p["status"] for name, p in report["parts"].items() if name not in calls} == \
+        {name: "NOT RUN: not asked for (PART=suite,wgrad,smoke)" for name in ("bench", "optim", "cuda-tests")}
 
 
 def test_the_budget_gives_each_part_its_cap_or_what_is_left_and_reports_what_cannot_fit(tmp_path, fake_gpu,
