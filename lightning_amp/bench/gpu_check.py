@@ -7,7 +7,8 @@ Run from a source checkout (it needs ``tests/``, ``benchmarks/`` and ``examples/
 this order (:data:`PLAN`), each a subprocess with a timeout, its log in ``DIR/logs/<part>.log``:
 
 1. ``build``: always first: ``setup.py build_ext --inplace`` for the present GPU's compute capability only
-   (``TORCH_CUDA_ARCH_LIST``) with ``MAX_JOBS`` = the machine's cores, timed;
+   (``TORCH_CUDA_ARCH_LIST``) with ``MAX_JOBS`` = the machine's cores, in parallel with or without ninja
+   (:mod:`lightning_amp.bench.gpu_build`), timed;
 2. ``smoke``: CUDA correctness (:mod:`lightning_amp.bench.gpu_smoke`, about a minute);
 3. ``bench``: the headline BERT-base benchmark with its ratios (:mod:`lightning_amp.bench.gpu_headline`);
 4. ``optim``, 5. ``wgrad``: ``benchmarks/bench_optim.py`` and ``benchmarks/bench_wgrad.py`` on the GPU;
@@ -37,7 +38,6 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +48,7 @@ from typing import Callable, Optional
 
 import torch
 
+from lightning_amp.bench import gpu_build
 from lightning_amp.bench.gpu_pytest import LOG_ENV, read_outcomes
 from lightning_amp.bench.gpu_report import log_path, part_path, verdict_lines, write_report
 from lightning_amp.bench.gpu_targets import FAIL, part_status
@@ -151,11 +152,11 @@ def _part_build(run, raw):
     if arch:
         env["TORCH_CUDA_ARCH_LIST"] = arch
     t0 = time.monotonic()
-    run([sys.executable, "setup.py", "build_ext", "--inplace"], env=env)
+    run([sys.executable, str(Path(gpu_build.__file__).relative_to(ROOT))], env=env)
     seconds = time.monotonic() - t0
     info = json.loads(run([sys.executable, "-c", _CHECK_EXT]).strip().splitlines()[-1])
-    ninja = shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None
-    return dict(info, build_seconds=seconds, arch=arch, max_jobs=int(env["MAX_JOBS"]), ninja=ninja)
+    return dict(info, build_seconds=seconds, arch=arch, max_jobs=int(env["MAX_JOBS"]),
+                ninja=gpu_build.ninja_available())
 
 
 def _part_smoke(run, raw):

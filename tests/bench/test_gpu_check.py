@@ -681,3 +681,52 @@ def test_the_o2_forward_bench_switches_o2s_norm_policy(monkeypatch):
     assert lightning_amp.AmpO2Plugin(norm_policy="half").properties.norm_policy == "half"  # an explicit choice stays
     with pytest.raises(ValueError, match="forward must be one of"):
         use_forward("cast")
+
+
+def test_the_build_compiles_sources_in_parallel_processes_and_reports_a_failed_one(tmp_path):
+    """gpu_build's no-ninja path on a two-source C extension: built and importable; a source that does not
+    compile fails the build naming it."""
+    (tmp_path / "a.c").write_text("int probe_value(void) { return 41; }\n")
+    (tmp_path / "b.c").write_text(textwrap.dedent("""
+        #include <Python.h>
+        int probe_value(void);
+        static PyObject *value(PyObject *self, PyObject *args) { return PyLong_FromLong(probe_value() + 1); }
+        static PyMethodDef methods[] = {{"value", value, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+        static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "probe", "", -1, methods};
+        PyMODINIT_FUNC PyInit_probe(void) { return PyModule_Create(&module); }
+        """))
+    (tmp_path / "setup.py").write_text("from setuptools import Extension, setup\n"
+                                       "setup(name='probe', ext_modules=[Extension('probe', SOURCES)])\n")
+    script = (f"import sys, runpy\nbuild = runpy.run_path({str(ROOT / 'lightning_amp' / 'bench' / 'gpu_build.py')!r})\n"
+              "assert build['compile_in_parallel'](2)\nsys.argv = ['setup.py', 'build_ext', '--inplace']\n"
+              "runpy.run_path('setup.py', run_name='__main__')\n")  # as gpu-check runs it: no package import
+    env = dict(os.environ)
+    setup = (tmp_path / "setup.py").read_text()
+    (tmp_path / "setup.py").write_text("SOURCES = ['a.c', 'b.c']\n" + setup)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    check = subprocess.run([sys.executable, "-c", "import probe; print(probe.value())"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert check.stdout.strip() == "42", check.stderr
+    (tmp_path / "bad.c").write_text("int broken(void) { return }\n")
+    (tmp_path / "setup.py").write_text("SOURCES = ['a.c', 'bad.c', 'b.c']\n" + setup)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "compiling bad.o failed" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_build_part_builds_for_the_present_gpu_only_with_a_job_per_core(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "environment", lambda: {"capability": "9.0"})
+    calls = []
+
+    def run(argv, env=None):
+        calls.append((argv, env))
+        return '{"backend": "cuda-ext", "extension_error": null}\n'
+
+    data = gpu_check._part_build(run, tmp_path)
+    (build_argv, build_env), (check_argv, _) = calls
+    assert build_argv == [sys.executable, "lightning_amp/bench/gpu_build.py"]  # a file: the package not imported
+    assert build_env == {"TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": str(os.cpu_count())}
+    assert "backend('cuda')" in check_argv[-1]
+    assert data["backend"] == "cuda-ext" and data["arch"] == "9.0" and data["build_seconds"] >= 0
