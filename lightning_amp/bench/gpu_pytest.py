@@ -18,6 +18,8 @@ from typing import Optional
 
 import pytest
 
+from lightning_amp.bench.gpu_targets import count_outcomes
+
 LOG_ENV = "GPU_CHECK_PYTEST_LOG"
 OUTCOMES = ("passed", "failed", "skipped")
 
@@ -82,6 +84,7 @@ def read_outcomes(path: Path) -> Optional[dict]:
     for test in collected + [t for t in reports if t not in set(collected)]:
         seen = reports.get(test, set())
         outcomes[test] = next((o for o in ("failed", "skipped", "passed") if o in seen), "not reached")
-    counts = {o: sum(v == o for v in outcomes.values()) for o in OUTCOMES}
-    return dict(counts, collected=len(collected), not_reached=sum(v == "not reached" for v in outcomes.values()),
+    counts = count_outcomes(outcomes)
+    not_reached = counts.pop("not reached")
+    return dict(counts, collected=len(collected), not_reached=not_reached,
                 failed_names=[t for t, v in outcomes.items() if v == "failed"], outcomes=outcomes)

@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import asdict
 
-from lightning_amp.bench.gpu_targets import STATUSES, bench_records, evaluate, part_status, test_counts
+from lightning_amp.bench.gpu_targets import STATUSES, bench_records, count_outcomes, evaluate, part_status
 
 REPORT_MD, REPORT_JSON = "gpu-check.md", "gpu-check.json"
 LOG_TAIL_CHARS = 3000
@@ -137,7 +137,7 @@ def left_out(parts: dict) -> list:
         if part.get("not_run") or part.get("running") or part.get("timed_out") or part.get("interrupted"):
             lines.append(f"part {name}: {status}")
         tests = (part.get("data") or {}).get("tests") or {}
-        counts = test_counts(tests.get("outcomes") or {})
+        counts = count_outcomes(tests.get("outcomes") or {})
         if counts["not reached"]:
             lines.append(f"part {name}: {counts['not reached']} of {len(tests['outcomes'])} tests not reached")
         failed = [c for c in (part.get("data") or {}).get("checks") or [] if not c.get("ok")] if name == "smoke" else []

@@ -133,7 +133,7 @@ def _build(parts):
     return (1.0 if backend == "cuda-ext" else 0.0), f"backend {backend}" + (f"; {error}" if error else "")
 
 
-def test_counts(outcomes: dict) -> dict:
+def count_outcomes(outcomes: dict) -> dict:
     """passed / failed / skipped / not reached counts of a map test id -> outcome."""
     return {o: sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped", "not reached")}
 
@@ -144,7 +144,7 @@ def judge_tests(part: dict, outcomes: dict, skipped_allowed: bool) -> tuple:
     failed. 0.0 (FAIL): a test failed, pytest crashed (an exit status other than 0 and 1 when it was not
     stopped), no test was collected or passed, a test was skipped where ``skipped_allowed`` is false, or
     tests were left without an outcome by a run that was not stopped."""
-    counts = test_counts(outcomes)
+    counts = count_outcomes(outcomes)
     stopped = part.get("timed_out") or part.get("interrupted")
     detail = (f"{counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed, "
               f"{counts['not reached']} not reached of {len(outcomes)}; {part_status(part)}")
