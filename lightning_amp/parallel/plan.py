@@ -18,6 +18,7 @@ the module's *current* weights.
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -28,12 +29,13 @@ from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from lightning_amp.parallel.between import between_problem
 from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan  # noqa: F401 (re-exported)
 from lightning_amp.parallel.families import HEAD_ATTRS, Unit, find_units, is_conv1d, multihead_attention_unit
+from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
-_PARALLEL = (ParallelMultiheadAttention, ColumnParallelLinear, RowParallelLinear)
+_PARALLEL = (ParallelMultiheadAttention, ReplicatedKVColumnParallel, ColumnParallelLinear, RowParallelLinear)
 
 
 @dataclass
@@ -128,12 +130,14 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {unit.problem}")
             continue
         sizes = list(unit.divisible)
-        sizes += [(f"{c}.out_features", _dims(module, c)[1] // unit.chunks.get(c, 1)) for c in unit.columns]
+        sizes += [(f"{c}.out_features", _dims(module, c)[1] // unit.chunks.get(c, 1)) for c in unit.columns
+                  if c not in unit.qkv_heads]
         sizes += [(f"{r}.in_features", _dims(module, r)[0]) for r in unit.rows]
         bad = [f"{what}={value}" for what, value in sizes if value < tp or value % tp]
         if bad:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {'; '.join(bad)} not divisible by "
                             f"tensor_parallel_size={tp}")
+        problems += [f"{c} ({unit.family}): {heads.problem(tp)}" for c, heads in unit.qkv_heads.items() if heads.problem(tp)]
         problem = _between(module, unit)
         if problem:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {problem}")
@@ -189,7 +193,13 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
         child = getattr(parent, attr)
         extra = dict(sp_kwargs.get(name, {}), **linear_kwargs)
         transposed = name in unit.transposed
-        if name in unit.columns:
+        if name in unit.qkv_heads:
+            heads = unit.qkv_heads[name]
+            new = fused_qkv_parallel(child.weight, child.bias, heads, group, **extra)
+            local = heads.local(group_size(group))
+            detail = (f"[q | k | v] heads {heads.n_head}/{heads.n_query_groups} -> {local.n_head}/{local.n_query_groups}"
+                      + ("/rank, key/value replicated" if isinstance(new, ReplicatedKVColumnParallel) else "/rank"))
+        elif name in unit.columns:
             gather = not unit.rows
             new = ColumnParallelLinear.from_weights(child.weight, child.bias, group, chunks=unit.chunks.get(name, 1),
                                                     transposed=transposed, gather_output=gather, **extra)
@@ -206,6 +216,11 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
 
 
 def _divide_head_attrs(module: nn.Module, unit: Unit, tp: int) -> None:
+    if unit.head_config is not None:  # litgpt: a per-rank copy of the Config the whole model shares
+        owner = module.get_submodule(unit.head_config)
+        (heads,) = (h.local(tp) for h in unit.qkv_heads.values())
+        owner.config = copy.copy(owner.config)  # a shallow copy keeps the fields __post_init__ derived (rope_n_elem)
+        owner.config.n_head, owner.config.n_query_groups = heads.n_head, heads.n_query_groups
     if unit.heads is None or not unit.rows:
         return
     owner = module.get_submodule(unit.heads) if unit.heads else module
@@ -281,7 +296,7 @@ def gathered_state_dict(module: nn.Module) -> dict:
     state = module.state_dict()
     for name, sub in module.named_modules():
         if isinstance(sub, _PARALLEL):
-            if any(isinstance(p, ParallelMultiheadAttention) for p in _ancestors(module, name)):
+            if any(isinstance(p, _PARALLEL) for p in _ancestors(module, name)):
                 continue
             prefix = f"{name}." if name else ""
             for key in [k for k in state if k.startswith(prefix)]:
@@ -296,7 +311,7 @@ def load_gathered_state_dict(module: nn.Module, state: Mapping[str, Any], strict
     state = dict(state)
     for name, sub in module.named_modules():
         if isinstance(sub, _PARALLEL):
-            if any(isinstance(p, ParallelMultiheadAttention) for p in _ancestors(module, name)):
+            if any(isinstance(p, _PARALLEL) for p in _ancestors(module, name)):
                 continue
             prefix = f"{name}." if name else ""
             mine = {k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
