@@ -19,6 +19,7 @@ the module's *current* weights.
 from __future__ import annotations
 
 import copy
+import difflib
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -58,6 +59,12 @@ class Plan:
 
 def _explicit_decisions(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     decisions: dict[str, str] = {}
+    names = [name for name, _ in module.named_modules() if name]
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            close = difflib.get_close_matches(pattern, names, n=3)
+            raise ValueError(f"tp_fused plan: {pattern!r} matches no module of {type(module).__name__}"
+                             + (f" (close: {close})" if close else f" (its modules are named like {names[:3]})"))
     for name, child in module.named_modules():
         for pattern, kind in plan.items():
             if name and fnmatch.fnmatchcase(name, pattern):
@@ -108,8 +115,25 @@ def _explicit_units(module: nn.Module, decisions: dict[str, str]) -> list[Unit]:
                              "column-parallel partner in the same parent, so their input would not be split")
         if not unit.rows:  # lone column layers gather their outputs: nothing downstream sees a shard
             unit.heads = None
+        unit.problem = _fused_column(module, unit)
         units.append(unit)
     return units
+
+
+def _fused_column(module: nn.Module, unit: Unit) -> Optional[str]:
+    """Why an explicit column/row pair outside any known family would be cut wrongly, or None: a column
+    layer with more outputs than its row partner takes is a fused projection (``[q | k | v]``,
+    ``[gate | up]``) whose output is split into blocks before the row layer, and a contiguous split of
+    its rows would give each rank whole blocks of one kind and none of another."""
+    inputs = {_dims(module, r)[0] for r in unit.rows}
+    for column in unit.columns:
+        width = _dims(module, column)[1]
+        if unit.rows and width > max(inputs):
+            return (f"{column} has {width} outputs but {', '.join(unit.rows)} take(s) {max(inputs)} inputs: a fused "
+                    "projection (e.g. [q | k | v] or [gate | up]) that a contiguous split would cut across its blocks, "
+                    "no family this plan knows says how to split it by heads. Split it into one Linear per block, or "
+                    "leave it out of the plan")
+    return None
 
 
 def _dims(module: nn.Module, name: str) -> tuple[int, int]:

@@ -112,8 +112,9 @@ def test_gathered_checkpoint_loads_into_a_plain_gpt(runs):
 def test_o2_matches_one_process_within_bf16_rounding(runs):
     """O2 (bf16 autocast, fp32 params) at TP=2 (and with sequence parallelism) vs one process at O2: the row layers'
     partial sums are rounded to bf16 before their all-reduce, where one process rounds the whole sum once, so
-    activations differ by a few bf16 ulps (2^-8 relative each). Bound: each step's loss within 1e-2 relative
-    (measured <= 1e-3) and each tensor within 5% of how far it moved (measured <= 1.5%); a shard that missed or
+    activations differ by a few bf16 ulps (2^-8 = 3.9e-3 relative each). Bound: each step's loss within 1e-3
+    relative (a quarter ulp: the cross-entropy averages the logits' differences; measured <= 9e-5) and each tensor
+    within 5% of how far it moved after the first step (measured <= 1.2%, an RMSNorm weight); a shard that missed or
     doubled an update, or a replicated key/value head whose grad was not summed, would be ~50-100% off."""
     for name, runs_of in (("llama_gqa", ["llama_gqa_O2"]), ("gemma_mqa", ["gemma_mqa_O2", "gemma_mqa_O2_sp"])):
         one = _one(name, "O2")
@@ -121,7 +122,7 @@ def test_o2_matches_one_process_within_bf16_rounding(runs):
         for run in runs_of:
             rank0, rank1 = runs[run]
             for step in range(len(one["losses"])):
-                assert abs(rank0["losses"][step] - one["losses"][step]) / one["losses"][step] < 1e-2, (run, step)
+                assert abs(rank0["losses"][step] - one["losses"][step]) / one["losses"][step] < 1e-3, (run, step)
             for key in end:
                 moved = (end[key] - start[key]).abs().max().item()
                 assert moved > 1e-4, key
