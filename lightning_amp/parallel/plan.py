@@ -2,7 +2,7 @@
 
 ``plan="auto"`` uses the per-family layouts of :mod:`~lightning_amp.parallel.families`
 (``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa, GPT-2, Llama/Mistral-style
-q/k/v/o and gate/up/down, MLPs in ``nn.Sequential``). An explicit plan
+q/k/v/o and gate/up/down, litgpt's fused ``[q | k | v]`` attention and MLPs, MLPs in ``nn.Sequential``). An explicit plan
 ``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead* (fnmatch globs on
 names from ``named_modules()``); a set of explicit layers that forms a family unit gets that unit's
 layout (fused QKV, ``Conv1D``, head attributes), other layers pair by parent: a column layer's output
@@ -11,7 +11,9 @@ stays split when its parent also holds a row layer of the plan, else it is gathe
 :func:`build_plan` validates the whole plan *before anything changes*, raising ValueError naming
 the module paths when a column layer would feed anything but its row partner (a unit only partly in
 an explicit plan, a row layer without a column partner, a norm or reshape between a named MLP's layers:
-:mod:`~lightning_amp.parallel.between`), when heads or features do not divide by
+:mod:`~lightning_amp.parallel.between`, an explicit column wider than its row partner outside any family:
+a fused projection a contiguous split would cut), when a glob of an explicit plan matches no module,
+when heads or features do not divide by
 the TP size, or when nothing would be split (unless ``allow_replicated``). So a model is either
 converted as planned or left untouched: never half-converted. Conversion copies this rank's slice of
 the module's *current* weights.
@@ -175,7 +177,7 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
     if not units and tp > 1 and not allow_replicated:
         raise ValueError(
             f"tp_fused: no layer of {type(module).__name__} can be split across {tp} ranks (no nn.MultiheadAttention, "
-            "BERT/GPT-2/Llama-style attention or MLP, or nn.Sequential Linear pairs found); every rank would train the "
+            "BERT/GPT-2/Llama/litgpt-style attention or MLP, or nn.Sequential Linear pairs found); every rank would train the "
             "whole model. Pass plan={'glob.of.names': 'column'|'row'} to choose layers, or "
             "TensorParallelStrategy(allow_replicated=True) to train replicated on purpose.")
     result = Plan(units)

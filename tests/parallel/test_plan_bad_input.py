@@ -65,10 +65,41 @@ def test_a_plan_naming_a_module_that_does_not_exist_is_refused():
     assert "matches no module" in _refused(model, {"layers.*.fc1": "replicate"})
 
 
+class FunctionalNormMixer(nn.Module):
+    """``a`` -> ``F.layer_norm`` over the whole hidden width -> ``b``: no norm module a structural check could see."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(F.layer_norm(torch.relu(self.a(x)), (32,)))
+
+
+class HeadNormAttention(FusedAttention):
+    """Separate q/k/v with a norm over each head's 4 features (qk-norm): legitimate under a split by heads."""
+
+    def __init__(self):
+        super().__init__()
+        del self.qkv
+        self.wq, self.wk, self.wv = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.wq, self.wk, self.wv))
+        q, k = F.layer_norm(q, (4,)), F.layer_norm(k, (4,))
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1))
+
+
 def test_a_whole_width_norm_between_an_explicit_pair_with_unknown_names_is_refused():
-    """The names match no family, so only the explicit plan's own check sees the LayerNorm (the named-MLP test
-    above never reached it)."""
+    """The names match no family, so only the explicit plan's own check sees the norm (the named-MLP tests of
+    test_parallel_between.py never reach it): a LayerNorm module by structure, F.layer_norm along the traced
+    data flow; a per-head norm inside a hand-planned attention stays accepted."""
     assert "ln (LayerNorm) normalises 32 features" in _refused(Mixer(), {"a": "column", "b": "row"})
+    message = _refused(FunctionalNormMixer(), {"a": "column", "b": "row"})
+    assert "layer_norm (call_function) normalises the 32 features a split, on the way to b" in message
+    plan = {"0.w?": "column", "0.out": "row"}
+    assert [u.family for u in build_plan(nn.Sequential(HeadNormAttention()), plan, 2).units] == ["explicit"]
 
 
 def test_litgpt_head_counts_that_can_be_neither_split_nor_replicated_are_refused():
