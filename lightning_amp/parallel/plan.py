@@ -13,8 +13,8 @@ the module paths when a column layer would feed anything but its row partner (a 
 an explicit plan, a row layer without a column partner, a norm or reshape between a named MLP's layers:
 :mod:`~lightning_amp.parallel.between`, an explicit column wider than its row partner outside any family:
 a fused projection a contiguous split would cut), when a glob of an explicit plan matches no module,
-when heads or features do not divide by
-the TP size, or when nothing would be split (unless ``allow_replicated``). So a model is either
+when heads or features do not divide by the TP size, or when nothing would be split (unless
+``allow_replicated``). So a model is either
 converted as planned or left untouched: never half-converted. Conversion copies this rank's slice of
 the module's *current* weights.
 """
@@ -127,11 +127,13 @@ def _fused_column(module: nn.Module, unit: Unit) -> Optional[str]:
     layer with more outputs than its row partner takes is a fused projection (``[q | k | v]``,
     ``[gate | up]``) whose output is split into blocks before the row layer, and a contiguous split of
     its rows would give each rank whole blocks of one kind and none of another."""
-    inputs = {_dims(module, r)[0] for r in unit.rows}
+    if not unit.rows:
+        return None  # gathered outputs: the whole fused tensor is put back together
+    widest = max(_dims(module, r)[0] for r in unit.rows)
     for column in unit.columns:
         width = _dims(module, column)[1]
-        if unit.rows and width > max(inputs):
-            return (f"{column} has {width} outputs but {', '.join(unit.rows)} take(s) {max(inputs)} inputs: a fused "
+        if width > widest:
+            return (f"{column} has {width} outputs but {', '.join(unit.rows)} take(s) {widest} inputs: a fused "
                     "projection (e.g. [q | k | v] or [gate | up]) that a contiguous split would cut across its blocks, "
                     "no family this plan knows says how to split it by heads. Split it into one Linear per block, or "
                     "leave it out of the plan")
