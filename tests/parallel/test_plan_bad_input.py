@@ -5,6 +5,7 @@ names no family knows."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -112,8 +113,11 @@ def test_litgpt_head_counts_that_can_be_neither_split_nor_replicated_are_refused
     assert "transformer.h.0.attn.qkv (litgpt attention): n_query_groups=3 neither divisible by tensor_parallel_size=2 nor dividing it" in message
     message = _refused(gpt(n_head=3), "auto", tp=2)
     assert "transformer.h.0.attn.qkv (litgpt attention): n_head=3 not divisible by tensor_parallel_size=2" in message
-    # the same model at TP=2: the one key/value head replicated, both units accepted
-    units = build_plan(gpt(n_head=2, n_query_groups=1, head_size=24), "auto", 2).units
+    # the same model at TP=2: the one key/value head replicated, both units accepted, the MLP traced by fx (no
+    # structure-only fallback warning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        units = build_plan(gpt(n_head=2, n_query_groups=1, head_size=24), "auto", 2).units
     assert [u.family for u in units] == ["litgpt attention", "named MLP"]
     # the layers the old refusal advised naming, recognised as litgpt's attention unit (split by heads)
     plan = {"transformer.h.*.attn.qkv": "column", "transformer.h.*.attn.proj": "row"}
