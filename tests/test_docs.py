@@ -5,7 +5,7 @@ time limit (its process group is killed past it: a block that starts a second ra
 2-process blocks of docs/scaling-out.md do, takes that rank down with it). A block that fails or
 times out fails its test; it is never reported as skipped. The only skip is a block whose first line
 is ``# needs: <need> [and <need>] [(comment)]`` naming a need of :data:`NEEDS` that this machine lacks
-(a CUDA GPU, apex); an unknown need fails. Which blocks there are is counted per page against the pages
+(a CUDA GPU, apex, litgpt: the last required under ``CI=true``, see tests/_optional.py); an unknown need fails. Which blocks there are is counted per page against the pages
 on disk. Bash blocks are checked for shell syntax (``bash -n``): a usage line such as
 ``[--size tiny|small|base]`` pasted into a command is a pipe to bash.
 """
@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _optional import available, require
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.M | re.S)
@@ -32,6 +34,7 @@ NEEDS_LINE = re.compile(r"#\s*needs:\s*(.+)")
 NEEDS = {
     "a CUDA GPU": torch.cuda.is_available,
     "apex": lambda: importlib.util.find_spec("apex") is not None,
+    "litgpt": lambda: available("litgpt"),  # a dev dependency: under CI=true a block needing it runs (and fails without it)
 }
 TIME_LIMIT_S = 120
 
@@ -160,6 +163,19 @@ def test_needs_lines_name_known_needs_and_skip_only_where_one_is_missing():
     assert isinstance(outcome, pytest.fail.Exception) and "unknown need ['2 processes']" in str(outcome)
     for param in blocks("python"):  # every marker in the pages is one the test knows
         assert set(needs(param.values[0])) <= set(NEEDS), param.id
+
+
+def test_an_optional_dependency_skips_where_absent_and_fails_in_ci(monkeypatch):
+    """tests/_optional.py: without CI a missing package skips; under CI=true it fails (a broken install cannot
+    silently skip), and a docs block needing it runs."""
+    monkeypatch.delenv("CI", raising=False)
+    assert isinstance(_outcome(lambda: require("no_such_package_i35")), pytest.skip.Exception)
+    assert not available("no_such_package_i35") and available("torch")
+    monkeypatch.setenv("CI", "true")
+    outcome = _outcome(lambda: require("no_such_package_i35"))
+    assert isinstance(outcome, pytest.fail.Exception) and "CI=true" in str(outcome)
+    assert available("no_such_package_i35") and unmet_needs("# needs: litgpt\n") == []
+    assert require("torch") is torch
 
 
 @pytest.mark.parametrize("code", blocks("bash"))

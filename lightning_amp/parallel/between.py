@@ -37,20 +37,23 @@ _ELEMENTWISE_METHODS = frozenset({
     "float", "half", "bfloat16", "to", "type", "type_as", "contiguous",
 })
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm)
+_NORM_FUNCTIONS = frozenset({F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm})  # (x, normalized_shape, ...)
 
 
 def between_problem(module: nn.Module, parent: str, columns: list[str], rows: list[str], width: int,
                     trace: bool = True) -> Optional[str]:
     """Why the split outputs of ``columns`` (paths in ``module``, children of ``parent``, ``width`` output
     features each) cannot flow into ``rows`` as a shard, or None when everything between acts elementwise.
-    ``trace=False`` checks the structure only (explicit plans: the user vouches for the data flow, which
-    may reshape heads as attention does)."""
+    ``trace=False`` (explicit plans: the user vouches for the data flow, which may reshape heads as attention
+    does) checks only for a norm over the split width: among the parent's children, or, when fx traces the
+    parent, on the data flow (a norm module or ``F.layer_norm``/``F.rms_norm`` call)."""
     owner = module.get_submodule(parent) if parent else module
     local = {path.rpartition(".")[2] for path in columns}
     rows_local = {path.rpartition(".")[2] for path in rows}
     row = ", ".join(rows)
     if not trace:
-        return _norm_sibling(owner, parent, local | rows_local, width)
+        return _norm_sibling(owner, parent, local | rows_local, width) or _norm_on_path(owner, parent, local, rows_local,
+                                                                                      columns, row, width)
     try:
         graph = torch.fx.symbolic_trace(owner).graph
     except Exception as error:  # noqa: BLE001 (fx refuses many real forwards: fall back to the structure, loudly)
@@ -77,6 +80,37 @@ def between_problem(module: nn.Module, parent: str, columns: list[str], rows: li
             return (f"{_describe(owner, parent, node)} acts on the split dimension between "
                     f"{', '.join(columns)} and {row} (only elementwise operations may lie between them)")
     return None
+
+
+def _norm_on_path(owner: nn.Module, parent: str, local: set, rows_local: set, columns: list[str], row: str,
+                  width: int) -> Optional[str]:
+    """For explicit pairs, whose data flow may reshape heads on purpose: a norm over the ``width`` split features
+    (a module, or ``F.layer_norm``/``F.rms_norm`` called in the forward) on the way from the columns to the row,
+    when fx can trace the parent; None when it cannot (the structural check then stands alone)."""
+    try:
+        graph = torch.fx.symbolic_trace(owner).graph
+    except Exception:  # noqa: BLE001 (explicit plans: the structural check, as documented)
+        return None
+    starts = [n for n in graph.nodes if n.op == "call_module" and n.target in local]
+    ends = [n for n in graph.nodes if n.op == "call_module" and n.target in rows_local]
+    between = _reach(starts, lambda n: n.users) & _reach(ends, lambda n: n.all_input_nodes)
+    for node in graph.nodes:
+        if node in between and _normalises(owner, node, width):
+            return (f"{_describe(owner, parent, node)} normalises the {width} features {', '.join(columns)} split, "
+                    f"on the way to {row}")
+    return None
+
+
+def _normalises(owner: nn.Module, node, width: int) -> bool:
+    if node.op == "call_module":
+        child = owner.get_submodule(node.target)
+        shape = getattr(child, "normalized_shape", None)
+        return isinstance(child, _NORMS) and (getattr(child, "num_features", None) == width or bool(shape and shape[-1] == width))
+    if node.op == "call_function" and node.target in _NORM_FUNCTIONS:
+        shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+        shape = (shape,) if isinstance(shape, int) else shape
+        return isinstance(shape, (tuple, list)) and bool(shape) and shape[-1] == width
+    return False
 
 
 def _reach(nodes, step) -> set:

@@ -13,13 +13,17 @@ BERT/RoBERTa attention (``transformers``)   ``self.query``, ``self.key``, ``self
 BERT/RoBERTa MLP                            ``intermediate.dense``                           ``output.dense``
 GPT-2 attention (``Conv1D``)                ``c_attn`` (fused QKV: q, k, v each split)       ``c_proj``
 GPT-2 MLP (``Conv1D``)                      ``c_fc``                                         ``c_proj``
-Llama/Mistral-style attention               ``q_proj``/``query``, ``k_proj``, ``v_proj``     ``o_proj``       
-named MLPs (Llama, Falcon, OPT, ...)        ``gate_proj``/``up_proj``/``fc1``/``w1``/...     ``down_proj``/``fc2``/``w2``/...
+Llama/Mistral-style attention               ``q_proj``/``query``, ``k_proj``, ``v_proj``     ``o_proj``
+litgpt ``CausalSelfAttention``              ``qkv`` (fused ``[q | k | v]``, GQA/MQA heads)   ``proj``
+named MLPs (Llama, Falcon, OPT, litgpt...)  ``gate_proj``/``up_proj``/``fc1``/``fc_1``/...   ``down_proj``/``fc2``/``proj``/...
 ``nn.Sequential``                           ``Linear``, elementwise modules, ``Linear``: first -> column, last -> row
 =========================================  ===============================================  =====================
 
 Attention heads are split whole: the query heads and the key/value heads (GQA) must both divide by
-the TP size, else :func:`lightning_amp.parallel.plan.build_plan` raises naming the module. Matching
+the TP size, else :func:`lightning_amp.parallel.plan.build_plan` raises naming the module; litgpt's
+key/value heads may instead be fewer than the ranks and divide the TP size: they are then replicated
+(:mod:`~lightning_amp.parallel.fused_qkv`), and its attention gets a per-rank copy of its ``config``
+with the local ``n_head``/``n_query_groups`` (the model's own ``Config`` is not changed). Matching
 is by structure (child names and types, head attributes), not by class name, so renamed copies of
 these blocks (RoBERTa, ELECTRA, Mistral, Qwen2, ...) are found too.
 """
@@ -30,6 +34,8 @@ from typing import Callable, Optional
 
 from torch import nn
 
+from lightning_amp.parallel.fused_qkv import QKVHeads
+
 ELEMENTWISE = (
     nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
     nn.Hardswish, nn.Identity, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardtanh,
@@ -37,8 +43,8 @@ ELEMENTWISE = (
 #: head-count attributes divided by the TP size on a split attention module (when present as ints)
 HEAD_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head", "num_key_value_heads", "n_kv_heads",
               "all_head_size", "split_size")
-MLP_COLUMNS = ("gate_proj", "up_proj", "fc1", "dense_h_to_4h", "w1", "w3", "c_fc")
-MLP_ROWS = ("down_proj", "fc2", "dense_4h_to_h", "w2", "c_proj")
+MLP_COLUMNS = ("gate_proj", "up_proj", "fc1", "dense_h_to_4h", "w1", "w3", "c_fc", "fc", "fc_1", "fc_2")
+MLP_ROWS = ("down_proj", "fc2", "dense_4h_to_h", "w2", "c_proj", "proj")
 
 
 @dataclass
@@ -46,8 +52,11 @@ class Unit:
     """Layers converted together (module paths relative to the planned module).
 
     ``attention``: an ``nn.MultiheadAttention`` replaced as a whole. ``chunks``/``transposed``: per
-    column/row path, see :class:`~lightning_amp.parallel.layers.ShardLayout`. ``divisible``: (what,
-    value) pairs that must divide by the TP size. ``problem``: why this unit cannot be split at all.
+    column/row path, see :class:`~lightning_amp.parallel.layers.ShardLayout`. ``qkv_heads``: per fused
+    ``[q | k | v]`` column path, its head layout (split by heads, see :mod:`~lightning_amp.parallel.fused_qkv`).
+    ``head_config``: the module whose ``config`` (litgpt's ``Config``, shared with the whole model) gets a
+    per-rank copy holding the local head counts of ``qkv_heads``. ``divisible``: (what, value) pairs that
+    must divide by the TP size. ``problem``: why this unit cannot be split at all.
     """
 
     family: str
@@ -57,6 +66,8 @@ class Unit:
     heads: Optional[str] = None
     chunks: dict[str, int] = field(default_factory=dict)
     transposed: set[str] = field(default_factory=set)
+    qkv_heads: dict[str, QKVHeads] = field(default_factory=dict)
+    head_config: Optional[str] = None
     divisible: list[tuple[str, int]] = field(default_factory=list)
     problem: Optional[str] = None
 
@@ -180,6 +191,26 @@ def _named_attention(path: str, m: nn.Module) -> list[Unit]:
     return [unit]
 
 
+def _litgpt_attention(path: str, m: nn.Module) -> list[Unit]:
+    """litgpt's ``CausalSelfAttention``: one ``qkv`` Linear laid out ``[q | k | v]`` and ``proj``; the head
+    counts in ``m.config`` (read by its forward and its KV cache)."""
+    qkv, proj, config = _linear(m, "qkv"), _linear(m, "proj"), getattr(m, "config", None)
+    counts = [_int_attr(config, n) for n in ("n_head", "n_query_groups", "head_size")] if config is not None else [None]
+    if qkv is None or proj is None or None in counts:
+        return []
+    heads = QKVHeads(*counts)
+    qkv_path = _join(path, "qkv")
+    unit = Unit("litgpt attention", [qkv_path], [_join(path, "proj")], qkv_heads={qkv_path: heads}, head_config=path)
+    if qkv.out_features != sum(heads.blocks) or proj.in_features != heads.blocks[0]:
+        unit.problem = (f"qkv.out_features={qkv.out_features}, proj.in_features={proj.in_features} do not match "
+                        f"the [q | k | v] layout of config n_head={heads.n_head}, n_query_groups={heads.n_query_groups}, "
+                        f"head_size={heads.head_size} (a legacy per-group interleaved qkv is not supported)")
+    elif getattr(config, "norm_qk", False) and getattr(config, "norm_qk_type", "default") != "default":
+        unit.problem = (f"norm_qk_type={config.norm_qk_type!r} normalises q and k across all heads; "
+                        "their split would normalise a shard")
+    return [unit]
+
+
 def _named_mlp(path: str, m: nn.Module) -> list[Unit]:
     cols = [n for n in MLP_COLUMNS if _linear(m, n) is not None]
     rows = [n for n in MLP_ROWS if _linear(m, n) is not None]
@@ -212,7 +243,7 @@ def _sequential_mlp(path: str, m: nn.Module) -> list[Unit]:
 
 MATCHERS: tuple[Callable[[str, nn.Module], list[Unit]], ...] = (
     multihead_attention_unit, _torch_transformer_layer, _bert_attention, _bert_mlp, _gpt2_attention, _gpt2_mlp,
-    _named_attention, _named_mlp, _sequential_mlp,
+    _named_attention, _litgpt_attention, _named_mlp, _sequential_mlp,
 )
 
 

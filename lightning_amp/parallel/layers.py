@@ -53,28 +53,39 @@ class ShardLayout:
 
     ``dim``: the split dim in the parallel layer's own ``[out, in]`` layout (0 or 1; 0 for biases).
     ``chunks``: the full tensor is ``chunks`` equal blocks along ``dim`` (a fused ``[q; k; v]`` has 3)
-    and every rank holds its slice *of each block*, concatenated. ``transposed``: the original module
-    stores the 2-D weight as ``[in, out]`` (``transformers``' ``Conv1D``). :meth:`shard` and
-    :meth:`gather` are exact inverses; ``gather`` is a collective over ``group``.
+    and every rank holds its slice *of each block*, concatenated. ``blocks``: the block sizes when they
+    differ (litgpt's ``[q | k | v]`` with fewer key/value heads: ``(n_head*hs, groups*hs, groups*hs)``);
+    it overrides ``chunks``. ``transposed``: the original module stores the 2-D weight as ``[in, out]``
+    (``transformers``' ``Conv1D``). :meth:`shard` and :meth:`gather` are exact inverses; ``gather`` is a
+    collective over ``group``.
     """
 
-    def __init__(self, dim: int, group: Any, chunks: int = 1, transposed: bool = False) -> None:
-        self.dim, self.group, self.chunks, self.transposed = dim, group, chunks, transposed
+    def __init__(self, dim: int, group: Any, chunks: int = 1, transposed: bool = False,
+                 blocks: Optional[tuple[int, ...]] = None) -> None:
+        self.dim, self.group, self.transposed = dim, group, transposed
+        self.blocks = tuple(blocks) if blocks is not None else None
+        self.chunks = len(self.blocks) if self.blocks is not None else chunks
         self.size, self.rank = group_size(group), group_rank(group)
+
+    def _split(self, tensor: Tensor, parts: int) -> tuple[Tensor, ...]:
+        """``tensor`` (the full tensor when ``parts`` is 1, one rank's shard when ``parts`` is the TP size)
+        as its blocks along ``dim``."""
+        if self.blocks is None:
+            return tensor.chunk(self.chunks, self.dim)
+        return tensor.split([b // parts for b in self.blocks], self.dim)
 
     def shard(self, full: Tensor) -> Tensor:
         """This rank's shard (a new tensor, parallel-layer layout) of a full original-layout tensor."""
         if self.transposed and full.dim() == 2:
             full = full.t()
-        blocks = full.detach().chunk(self.chunks, self.dim)
+        blocks = self._split(full.detach(), 1)
         return torch.cat([b.chunk(self.size, self.dim)[self.rank] for b in blocks], self.dim).clone()
 
     def gather(self, shard: Tensor) -> Tensor:
         """The full tensor in the original module's layout from every rank's shard (collective)."""
         full = comm.gather_along(shard.detach(), self.dim, self.group)
         if self.chunks > 1 and self.size > 1:  # rank-major [r0: b0 b1 b2, r1: ...] -> block-major
-            per_rank = full.chunk(self.size, self.dim)
-            pieces = [p.chunk(self.chunks, self.dim) for p in per_rank]
+            pieces = [self._split(p, self.size) for p in full.chunk(self.size, self.dim)]
             full = torch.cat([pieces[r][b] for b in range(self.chunks) for r in range(self.size)], self.dim)
         if self.transposed and full.dim() == 2:
             full = full.t().contiguous()
@@ -248,9 +259,9 @@ class _ParallelLinearBase(nn.Module):
         return self.config.async_grad_allreduce
 
     def _take_full(self, weight: Tensor, bias: Optional[Tensor], bias_is_sharded: bool,
-                   chunks: int = 1, transposed: bool = False) -> None:
+                   chunks: int = 1, transposed: bool = False, blocks: Optional[tuple[int, ...]] = None) -> None:
         """Keep this rank's shard of the full (original-layout) ``weight``/``bias`` as the params."""
-        layout = ShardLayout(self.partition_dim, self.group, chunks, transposed)
+        layout = ShardLayout(self.partition_dim, self.group, chunks, transposed, blocks)
         self.weight = nn.Parameter(layout.shard(weight))
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim = self.partition_dim
@@ -258,7 +269,7 @@ class _ParallelLinearBase(nn.Module):
         if bias is None:
             self.register_parameter("bias", None)
         elif bias_is_sharded:
-            bias_layout = ShardLayout(0, self.group, chunks)
+            bias_layout = ShardLayout(0, self.group, chunks, blocks=blocks)
             self.bias = nn.Parameter(bias_layout.shard(bias))
             self.bias.tensor_model_parallel = True
             self.bias.partition_dim = 0
@@ -345,12 +356,13 @@ class ColumnParallelLinear(_ParallelLinearBase):
         dtype=None,
         config: Optional[TensorParallelConfig] = None,
         _full: Optional[tuple] = None,
-        _layout: tuple = (1, False),
+        _layout: tuple = (1, False, None),
     ) -> None:
         config = _layer_config(config, "ColumnParallelLinear", gradient_accumulation_fusion=gradient_accumulation_fusion,
                                async_grad_allreduce=async_grad_allreduce)
         super().__init__(group, config, sequence_parallel, sequence_dim)
-        if out_features % (self.tp_size * _layout[0]) != 0:
+        blocks = _layout[2] or (out_features // _layout[0],) * _layout[0]
+        if sum(blocks) != out_features or any(b % self.tp_size for b in blocks):
             raise ValueError(
                 f"ColumnParallelLinear: out_features={out_features} is not divisible by the tensor-parallel size {self.tp_size}"
             )
@@ -370,18 +382,21 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     @classmethod
     def from_weights(cls, weight: Tensor, bias: Optional[Tensor], group: Optional[Any] = None,
-                     chunks: int = 1, transposed: bool = False, **kwargs) -> "ColumnParallelLinear":
+                     chunks: int = 1, transposed: bool = False, blocks: Optional[tuple[int, ...]] = None,
+                     **kwargs) -> "ColumnParallelLinear":
         """From a full weight ``[out, in]`` (``[in, out]`` when ``transposed``) and bias ``[out]``.
 
         ``chunks``: the output dim is that many equal blocks (a fused ``[q; k; v]``: 3), each split
         over the ranks separately, so every rank gets its slice of each block (its heads of q, k, v).
+        ``blocks``: the block sizes when they differ (they must sum to ``out``); overrides ``chunks``.
         """
         out_features, in_features = weight.shape[::-1] if transposed else weight.shape
-        if out_features % (group_size(group) * chunks) != 0:
-            raise ValueError(f"ColumnParallelLinear: out_features={out_features} is not divisible by "
-                             f"{chunks} block(s) x the tensor-parallel size {group_size(group)}")
+        sizes = tuple(blocks) if blocks is not None else (out_features // chunks,) * chunks
+        if sum(sizes) != out_features or any(b % group_size(group) for b in sizes):
+            raise ValueError(f"ColumnParallelLinear: out_features={out_features} as blocks {list(sizes)}: each block "
+                             f"must divide by the tensor-parallel size {group_size(group)}")
         return cls(in_features, out_features, bias=bias is not None, group=group, _full=(weight, bias),
-                   _layout=(chunks, transposed), **kwargs)
+                   _layout=(chunks, transposed, blocks), **kwargs)
 
     def forward(self, x: Tensor):
         dgrad = "reduce_scatter" if self.sequence_parallel else ("all_reduce" if self.tp_size > 1 else "none")

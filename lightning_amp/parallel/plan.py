@@ -2,7 +2,7 @@
 
 ``plan="auto"`` uses the per-family layouts of :mod:`~lightning_amp.parallel.families`
 (``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa, GPT-2, Llama/Mistral-style
-q/k/v/o and gate/up/down, MLPs in ``nn.Sequential``). An explicit plan
+q/k/v/o and gate/up/down, litgpt's fused ``[q | k | v]`` attention and MLPs, MLPs in ``nn.Sequential``). An explicit plan
 ``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead* (fnmatch globs on
 names from ``named_modules()``); a set of explicit layers that forms a family unit gets that unit's
 layout (fused QKV, ``Conv1D``, head attributes), other layers pair by parent: a column layer's output
@@ -11,13 +11,17 @@ stays split when its parent also holds a row layer of the plan, else it is gathe
 :func:`build_plan` validates the whole plan *before anything changes*, raising ValueError naming
 the module paths when a column layer would feed anything but its row partner (a unit only partly in
 an explicit plan, a row layer without a column partner, a norm or reshape between a named MLP's layers:
-:mod:`~lightning_amp.parallel.between`), when heads or features do not divide by
-the TP size, or when nothing would be split (unless ``allow_replicated``). So a model is either
+:mod:`~lightning_amp.parallel.between`, an explicit column wider than its row partner outside any family:
+a fused projection a contiguous split would cut), when a glob of an explicit plan matches no module,
+when heads or features do not divide by the TP size, or when nothing would be split (unless
+``allow_replicated``). So a model is either
 converted as planned or left untouched: never half-converted. Conversion copies this rank's slice of
 the module's *current* weights.
 """
 from __future__ import annotations
 
+import copy
+import difflib
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -28,12 +32,13 @@ from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from lightning_amp.parallel.between import between_problem
 from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan  # noqa: F401 (re-exported)
 from lightning_amp.parallel.families import HEAD_ATTRS, Unit, find_units, is_conv1d, multihead_attention_unit
+from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
-_PARALLEL = (ParallelMultiheadAttention, ColumnParallelLinear, RowParallelLinear)
+_PARALLEL = (ParallelMultiheadAttention, ReplicatedKVColumnParallel, ColumnParallelLinear, RowParallelLinear)
 
 
 @dataclass
@@ -56,6 +61,12 @@ class Plan:
 
 def _explicit_decisions(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     decisions: dict[str, str] = {}
+    names = [name for name, _ in module.named_modules() if name]
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            close = difflib.get_close_matches(pattern, names, n=3)
+            raise ValueError(f"tp_fused plan: {pattern!r} matches no module of {type(module).__name__}"
+                             + (f" (close: {close})" if close else f" (its modules are named like {names[:3]})"))
     for name, child in module.named_modules():
         for pattern, kind in plan.items():
             if name and fnmatch.fnmatchcase(name, pattern):
@@ -106,8 +117,27 @@ def _explicit_units(module: nn.Module, decisions: dict[str, str]) -> list[Unit]:
                              "column-parallel partner in the same parent, so their input would not be split")
         if not unit.rows:  # lone column layers gather their outputs: nothing downstream sees a shard
             unit.heads = None
+        unit.problem = _fused_column(module, unit)
         units.append(unit)
     return units
+
+
+def _fused_column(module: nn.Module, unit: Unit) -> Optional[str]:
+    """Why an explicit column/row pair outside any known family would be cut wrongly, or None: a column
+    layer with more outputs than its row partner takes is a fused projection (``[q | k | v]``,
+    ``[gate | up]``) whose output is split into blocks before the row layer, and a contiguous split of
+    its rows would give each rank whole blocks of one kind and none of another."""
+    if not unit.rows:
+        return None  # gathered outputs: the whole fused tensor is put back together
+    widest = max(_dims(module, r)[0] for r in unit.rows)
+    for column in unit.columns:
+        width = _dims(module, column)[1]
+        if width > widest:
+            return (f"{column} has {width} outputs but {', '.join(unit.rows)} take(s) {widest} inputs: a fused "
+                    "projection (e.g. [q | k | v] or [gate | up]) that a contiguous split would cut across its blocks, "
+                    "no family this plan knows says how to split it by heads. Split it into one Linear per block, or "
+                    "leave it out of the plan")
+    return None
 
 
 def _dims(module: nn.Module, name: str) -> tuple[int, int]:
@@ -128,12 +158,14 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {unit.problem}")
             continue
         sizes = list(unit.divisible)
-        sizes += [(f"{c}.out_features", _dims(module, c)[1] // unit.chunks.get(c, 1)) for c in unit.columns]
+        sizes += [(f"{c}.out_features", _dims(module, c)[1] // unit.chunks.get(c, 1)) for c in unit.columns
+                  if c not in unit.qkv_heads]
         sizes += [(f"{r}.in_features", _dims(module, r)[0]) for r in unit.rows]
         bad = [f"{what}={value}" for what, value in sizes if value < tp or value % tp]
         if bad:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {'; '.join(bad)} not divisible by "
                             f"tensor_parallel_size={tp}")
+        problems += [f"{c} ({unit.family}): {heads.problem(tp)}" for c, heads in unit.qkv_heads.items() if heads.problem(tp)]
         problem = _between(module, unit)
         if problem:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {problem}")
@@ -147,7 +179,7 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
     if not units and tp > 1 and not allow_replicated:
         raise ValueError(
             f"tp_fused: no layer of {type(module).__name__} can be split across {tp} ranks (no nn.MultiheadAttention, "
-            "BERT/GPT-2/Llama-style attention or MLP, or nn.Sequential Linear pairs found); every rank would train the "
+            "BERT/GPT-2/Llama/litgpt-style attention or MLP, or nn.Sequential Linear pairs found); every rank would train the "
             "whole model. Pass plan={'glob.of.names': 'column'|'row'} to choose layers, or "
             "TensorParallelStrategy(allow_replicated=True) to train replicated on purpose.")
     result = Plan(units)
@@ -189,7 +221,13 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
         child = getattr(parent, attr)
         extra = dict(sp_kwargs.get(name, {}), **linear_kwargs)
         transposed = name in unit.transposed
-        if name in unit.columns:
+        if name in unit.qkv_heads:
+            heads = unit.qkv_heads[name]
+            new = fused_qkv_parallel(child.weight, child.bias, heads, group, **extra)
+            local = heads.local(group_size(group))
+            detail = (f"[q | k | v] heads {heads.n_head}/{heads.n_query_groups} -> {local.n_head}/{local.n_query_groups}"
+                      + ("/rank, key/value replicated" if isinstance(new, ReplicatedKVColumnParallel) else "/rank"))
+        elif name in unit.columns:
             gather = not unit.rows
             new = ColumnParallelLinear.from_weights(child.weight, child.bias, group, chunks=unit.chunks.get(name, 1),
                                                     transposed=transposed, gather_output=gather, **extra)
@@ -206,6 +244,11 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
 
 
 def _divide_head_attrs(module: nn.Module, unit: Unit, tp: int) -> None:
+    if unit.head_config is not None:  # litgpt: a per-rank copy of the Config the whole model shares
+        owner = module.get_submodule(unit.head_config)
+        (heads,) = (h.local(tp) for h in unit.qkv_heads.values())
+        owner.config = copy.copy(owner.config)  # a shallow copy keeps the fields __post_init__ derived (rope_n_elem)
+        owner.config.n_head, owner.config.n_query_groups = heads.n_head, heads.n_query_groups
     if unit.heads is None or not unit.rows:
         return
     owner = module.get_submodule(unit.heads) if unit.heads else module
@@ -281,7 +324,7 @@ def gathered_state_dict(module: nn.Module) -> dict:
     state = module.state_dict()
     for name, sub in module.named_modules():
         if isinstance(sub, _PARALLEL):
-            if any(isinstance(p, ParallelMultiheadAttention) for p in _ancestors(module, name)):
+            if any(isinstance(p, _PARALLEL) for p in _ancestors(module, name)):
                 continue
             prefix = f"{name}." if name else ""
             for key in [k for k in state if k.startswith(prefix)]:
@@ -296,7 +339,7 @@ def load_gathered_state_dict(module: nn.Module, state: Mapping[str, Any], strict
     state = dict(state)
     for name, sub in module.named_modules():
         if isinstance(sub, _PARALLEL):
-            if any(isinstance(p, ParallelMultiheadAttention) for p in _ancestors(module, name)):
+            if any(isinstance(p, _PARALLEL) for p in _ancestors(module, name)):
                 continue
             prefix = f"{name}." if name else ""
             mine = {k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}

@@ -124,10 +124,12 @@ def module_index(module: nn.Module, name: str) -> int:
 
 
 def mark_replicated_params(block: nn.Module) -> list[str]:
-    """Mark every param of ``block`` that is not a tensor-parallel shard ``sequence_parallel``; returns their names."""
+    """Mark every param of ``block`` that is not a tensor-parallel shard ``sequence_parallel``; returns their names.
+    Params whose gradient autograd already sums over the TP group (``grad_reduced_over_tp``: replicated
+    key/value heads, :mod:`~lightning_amp.parallel.fused_qkv`) are left alone."""
     marked = []
     for name, p in block.named_parameters():
-        if not getattr(p, "tensor_model_parallel", False):
+        if not getattr(p, "tensor_model_parallel", False) and not getattr(p, "grad_reduced_over_tp", False):
             p.sequence_parallel = True
             marked.append(name)
     return marked

@@ -1,0 +1,151 @@
+"""A fused ``[q | k | v]`` projection with grouped key/value heads (litgpt's ``attn.qkv``), split by heads.
+
+The full weight is three row blocks: ``q`` (``n_head * head_size`` rows, heads in order), ``k`` and ``v``
+(``n_query_groups * head_size`` rows each); query head ``h`` attends with key/value head
+``h // (n_head / n_query_groups)``. Each rank keeps ``n_head / tp`` consecutive query heads and the
+key/value heads they use, and outputs ``[q_r | k_r | v_r]``: the layout the attention's own code splits
+with the *per-rank* head counts (:meth:`QKVHeads.local`).
+
+* ``n_query_groups`` divisible by the TP size: every block is split by heads
+  (a :class:`ColumnParallelLinear` with ``blocks=(q, k, v)``).
+* fewer key/value heads than ranks (GQA with few groups, MQA) and ``tp % n_query_groups == 0``: as
+  Megatron does, the key/value heads are *replicated*: :class:`ReplicatedKVColumnParallel` keeps the query
+  rows split and the whole (small) key/value block on every rank, each rank using its heads' group. The
+  key/value weight's gradient, partial per rank (each rank's queries only), is all-reduced over the TP
+  group inside backward, so every rank holds the full gradient and the replicated weights stay equal
+  under any optimizer; they are ordinary replicated params (``tensor_model_parallel = False``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_amp.parallel import comm
+from lightning_amp.parallel.groups import group_rank, group_size
+from lightning_amp.parallel.layers import ColumnParallelLinear
+
+
+@dataclass(frozen=True)
+class QKVHeads:
+    """The head layout of a fused ``[q | k | v]`` weight."""
+
+    n_head: int
+    n_query_groups: int
+    head_size: int
+
+    @property
+    def blocks(self) -> tuple[int, int, int]:
+        kv = self.n_query_groups * self.head_size
+        return (self.n_head * self.head_size, kv, kv)
+
+    def problem(self, tp: int) -> Optional[str]:
+        """Why these heads cannot be split over ``tp`` ranks, or None."""
+        if self.n_head % tp:
+            return f"n_head={self.n_head} not divisible by tensor_parallel_size={tp}"
+        if self.n_query_groups % tp and tp % self.n_query_groups:
+            return (f"n_query_groups={self.n_query_groups} neither divisible by tensor_parallel_size={tp} nor "
+                    f"dividing it (so each rank's {self.n_head // tp} query heads cannot get whole key/value heads, "
+                    "split or replicated)")
+        return None
+
+    def replicated(self, tp: int) -> bool:
+        """Whether the key/value heads are replicated (fewer of them than ranks)."""
+        return self.n_query_groups % tp != 0
+
+    def local(self, tp: int) -> "QKVHeads":
+        """The heads one rank computes."""
+        return QKVHeads(self.n_head // tp, max(self.n_query_groups // tp, 1), self.head_size)
+
+
+class ReplicatedKVColumnParallel(nn.Module):
+    """``[q_r | k_g | v_g]`` of a fused ``[q | k | v]`` Linear: the query rows split over the TP group
+    (a :class:`ColumnParallelLinear`, ``self.q``), the key/value rows whole on every rank (``self.kv_weight``,
+    ``self.kv_bias``), of which rank ``r`` uses key/value head ``g = r // (tp / n_query_groups)``.
+    ``sequence_parallel``: ``x`` arrives split along ``sequence_dim`` (gathered here, reduce-scattered in
+    backward), as for a :class:`ColumnParallelLinear`."""
+
+    gather_output = False  # the output is this rank's heads (what sequence.py's guard looks for)
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], heads: QKVHeads, group: Any = None,
+                 sequence_parallel: bool = False, sequence_dim: int = 0, **linear_kwargs) -> None:
+        super().__init__()
+        tp = group_size(group)
+        if heads.problem(tp) or not heads.replicated(tp):
+            raise ValueError(f"ReplicatedKVColumnParallel: {heads} at tensor_parallel_size={tp}: "
+                             f"{heads.problem(tp) or 'key/value heads divide: split them instead'}")
+        self.heads, self.group, self.tp_size = heads, group, tp
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        q_rows = heads.blocks[0]
+        self.q = ColumnParallelLinear.from_weights(
+            weight[:q_rows], None if bias is None else bias[:q_rows], group, gather_output=False,
+            sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, **linear_kwargs)
+        self.kv_weight = _replicated(weight[q_rows:])
+        self.kv_bias = None if bias is None else _replicated(bias[q_rows:])
+        self.group_index = group_rank(group) // (tp // heads.n_query_groups)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = self.q(x)
+        if self.sequence_parallel:
+            x = comm.gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)
+        else:
+            x = comm.copy_to_tensor_parallel_region(x, self.group)
+        weight = _SumGradOverTP.apply(self.kv_weight, self.group)
+        bias = None if self.kv_bias is None else _SumGradOverTP.apply(self.kv_bias, self.group)
+        k, v = F.linear(x, weight, bias).chunk(2, dim=-1)
+        size, g = self.heads.head_size, self.group_index
+        return torch.cat([q, k[..., g * size:(g + 1) * size], v[..., g * size:(g + 1) * size]], dim=-1)
+
+    def full_state(self) -> dict:
+        """The gathered ``weight``/``bias`` in the fused ``[q | k | v]`` layout (collective over the TP group)."""
+        state = {"weight": torch.cat([self.q.full_weight(), self.kv_weight.detach()])}
+        if self.kv_bias is not None:
+            state["bias"] = torch.cat([self.q.full_bias(), self.kv_bias.detach()])
+        return state
+
+    def load_full_state(self, state: dict) -> None:
+        """Copy this rank's query rows and the whole key/value rows of a full ``[q | k | v]`` state."""
+        q_rows = self.heads.blocks[0]
+        self.q.load_full_state({k: v[:q_rows] for k, v in state.items()})
+        with torch.no_grad():
+            self.kv_weight.copy_(state["weight"][q_rows:])
+            if self.kv_bias is not None:
+                self.kv_bias.copy_(state["bias"][q_rows:])
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.heads}, tp={self.tp_size}, "
+                f"key/value head {self.group_index} (replicated)")
+
+
+def _replicated(tensor: Tensor) -> nn.Parameter:
+    param = nn.Parameter(tensor.detach().clone())
+    param.tensor_model_parallel = False
+    param.grad_reduced_over_tp = True  # full on every rank after backward: no sequence-parallel all-reduce
+    return param
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group (a replicated weight used by every rank
+    for different outputs)."""
+
+    @staticmethod
+    def forward(ctx, weight, group):
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce_value(grad.contiguous(), ctx.group), None
+
+
+def fused_qkv_parallel(weight: Tensor, bias: Optional[Tensor], heads: QKVHeads, group: Any = None,
+                       **linear_kwargs) -> nn.Module:
+    """The tensor-parallel replacement of a fused ``[q | k | v]`` Linear with ``heads`` (see the module docstring)."""
+    if heads.replicated(group_size(group)):
+        return ReplicatedKVColumnParallel(weight, bias, heads, group, **linear_kwargs)
+    return ColumnParallelLinear.from_weights(weight, bias, group, blocks=heads.blocks, gather_output=False,
+                                             **linear_kwargs)
