@@ -5,6 +5,7 @@ their names, and the per-level classes made from :data:`~lightning_amp.amp.level
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Literal, Optional, Union
 
 import torch
@@ -101,6 +102,15 @@ class AmpPluginBase:
         if props.opt_level == "O0":
             return "32-true"
         return f"{half}-true" if props.opt_level == "O3" else f"{half}-mixed"
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """Tensors created inside (``Trainer.init_module``) have the dtype of the level's params: half at O3,
+        as under Lightning's ``bf16-true``/``16-true`` (the default dtype, restored on exit); fp32 otherwise."""
+        return self.amp.init_context()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """A module created inside (``Fabric.init_module``) gets the level's param dtype: :meth:`tensor_init_context`."""
+        return self.tensor_init_context()
 
     @property
     def properties(self) -> AmpProperties:

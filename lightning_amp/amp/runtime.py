@@ -38,7 +38,8 @@ from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.levels import AmpProperties, LossScaleSpec, resolve_properties
-from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook, prepare_o2_module_
+from lightning_amp.amp.module_cast import (cast_floating, cast_module_, cast_outputs_hook, default_dtype,
+                                           prepare_o2_module_)
 from lightning_amp.amp.o2_policy import PolicyHold, held as held_o2_policy, hold as hold_o2_policy
 from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.release import release_module_
@@ -137,6 +138,16 @@ class AmpRuntime:
         return self.engine.scalers[0].scale if self.engine.scalers else self.new_scaler().scale
 
     # ---- the model ---------------------------------------------------------------------
+
+    def init_context(self) -> contextlib.AbstractContextManager:
+        """What a model is created in (``Trainer.init_module``, ``Fabric.init_module``): where the level casts
+        the params to half (O3), the half dtype is torch's default dtype inside, restored on exit, so the
+        params are created half (as under Lightning's ``bf16-true``/``16-true``); otherwise nothing (fp32
+        params, as under Lightning's mixed precisions)."""
+        props = self.properties
+        if props.cast_model and not props.fp32_params:
+            return default_dtype(props.dtype)
+        return contextlib.nullcontext()
 
     def prepare(self, module: Module, fsdp2: bool = False, hold_policy: bool = True) -> Module:
         """Cast ``module`` in place for the level and hook its outputs; returns it. O0: fp32. Master weights
