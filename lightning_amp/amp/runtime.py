@@ -194,11 +194,14 @@ class AmpRuntime:
 
     # ---- forward and backward ----------------------------------------------------------
 
-    def convert_input(self, data: Any) -> Any:
+    def convert_input(self, data: Any, cast_mixed: bool = False) -> Any:
         """O3: the batch's floating tensors become the half dtype, saturating at its range (an fp32
-        ``finfo.min`` mask stays finite); other levels leave it alone (autocast casts where an op needs it)."""
-        if casts_batch(self.properties):
-            return cast_floating(data, self.properties.dtype, saturating=True)
+        ``finfo.min`` mask stays finite). O1 and O2 leave it alone (autocast casts where an op needs it, as
+        the Trainer's ``bf16-mixed``), unless ``cast_mixed``: then they cast it so too, as Fabric's
+        ``bf16-mixed``/``16-mixed`` cast a forward's floating inputs. O0 never casts."""
+        props = self.properties
+        if casts_batch(props) or (cast_mixed and props.autocast):
+            return cast_floating(data, props.dtype, saturating=True)
         return data
 
     @contextlib.contextmanager
