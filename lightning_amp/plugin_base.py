@@ -55,6 +55,10 @@ class AmpPluginBase:
             state; :mod:`lightning_amp.amp.kernel_step` says which group
             options qualify). False: the optimizer's own ``step()`` runs, and the skip is decided
             on the host.
+        log_metrics: the Trainer plugin logs ``amp/loss_scale`` and ``amp/skipped_steps`` through
+            ``LightningModule.log`` on the Trainer's logging steps, so they appear in the logger and in
+            ``trainer.logged_metrics`` (default True); False logs nothing. Fabric's plugins log nothing
+            either way (Fabric hands a precision plugin no logger).
 
     Properties: ``loss_scale`` (current scale of the first optimizer), ``loss_scales`` (all),
     ``skipped_steps`` (optimizer steps skipped for non-finite grads), ``properties``; ``amp`` is the runtime.
@@ -84,8 +88,13 @@ class AmpPluginBase:
         max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"],
         combine_grad: bool = False,
         fused_update: bool = True,
+        log_metrics: bool = True,
     ) -> None:
+        if not isinstance(log_metrics, bool):
+            raise TypeError(f"`log_metrics` must be True or False; got {log_metrics!r}")
         super().__init__()
+        #: whether the Trainer plugin logs ``amp/loss_scale`` and ``amp/skipped_steps``
+        self.log_metrics = log_metrics
         scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                              growth_interval=growth_interval, hysteresis=hysteresis,
                              min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
