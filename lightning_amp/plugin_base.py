@@ -136,7 +136,9 @@ class AmpPluginBase:
 
     @property
     def loss_scale(self) -> float:
-        """Current loss scale of the first optimizer (the initial scale before setup)."""
+        """Current loss scale of the first optimizer (the initial scale before setup): the factor its grads
+        carry after a backward (a float16 loss caps it at 2**15, :meth:`~lightning_amp.amp.scaler.LossScaler.cap`),
+        so ``p.grad / plugin.loss_scale`` between backward and step is the true gradient."""
         return self.amp.loss_scale
 
     @property
