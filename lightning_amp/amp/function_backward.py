@@ -57,7 +57,7 @@ def _backward_under(node: Any, state: List[Tuple[str, torch.dtype]]) -> None:
 
 def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     outputs = _saved_apply.__func__(cls, *args, **kwargs)
-    if not o2_policy.active() or cls.__module__.startswith(_LEFT_ALONE) or "apply" in vars(cls):
+    if not o2_policy.active() or (cls.__module__ or "").startswith(_LEFT_ALONE) or "apply" in vars(cls):
         return outputs
     state = _forward_autocast()
     if state:
