@@ -5,6 +5,7 @@ their names, and the per-level classes made from :data:`~lightning_amp.amp.level
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Literal, Optional, Union
 
 import torch
@@ -54,6 +55,10 @@ class AmpPluginBase:
             state; :mod:`lightning_amp.amp.kernel_step` says which group
             options qualify). False: the optimizer's own ``step()`` runs, and the skip is decided
             on the host.
+        log_metrics: the Trainer plugin logs ``amp/loss_scale`` and ``amp/skipped_steps`` through
+            ``LightningModule.log`` on the Trainer's logging steps, so they appear in the logger and in
+            ``trainer.logged_metrics`` (default True); False logs nothing. Fabric's plugins log nothing
+            either way (Fabric hands a precision plugin no logger).
 
     Properties: ``loss_scale`` (current scale of the first optimizer), ``loss_scales`` (all),
     ``skipped_steps`` (optimizer steps skipped for non-finite grads), ``properties``; ``amp`` is the runtime.
@@ -83,8 +88,13 @@ class AmpPluginBase:
         max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"],
         combine_grad: bool = False,
         fused_update: bool = True,
+        log_metrics: bool = True,
     ) -> None:
+        if not isinstance(log_metrics, bool):
+            raise TypeError(f"`log_metrics` must be True or False; got {log_metrics!r}")
         super().__init__()
+        #: whether the Trainer plugin logs ``amp/loss_scale`` and ``amp/skipped_steps``
+        self.log_metrics = log_metrics
         scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                              growth_interval=growth_interval, hysteresis=hysteresis,
                              min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
@@ -102,6 +112,15 @@ class AmpPluginBase:
             return "32-true"
         return f"{half}-true" if props.opt_level == "O3" else f"{half}-mixed"
 
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """Tensors created inside (``Trainer.init_module``) have the dtype of the level's params: half at O3,
+        as under Lightning's ``bf16-true``/``16-true`` (the default dtype, restored on exit); fp32 otherwise."""
+        return self.amp.init_context()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """A module created inside (``Fabric.init_module``) gets the level's param dtype: :meth:`tensor_init_context`."""
+        return self.tensor_init_context()
+
     @property
     def properties(self) -> AmpProperties:
         """The resolved opt-level properties (dtype "auto" is resolved for the model's device at setup)."""
@@ -117,7 +136,9 @@ class AmpPluginBase:
 
     @property
     def loss_scale(self) -> float:
-        """Current loss scale of the first optimizer (the initial scale before setup)."""
+        """Current loss scale of the first optimizer (the initial scale before setup): the factor its grads
+        carry after a backward (a float16 loss caps it at 2**15, :meth:`~lightning_amp.amp.scaler.LossScaler.cap`),
+        so ``p.grad / plugin.loss_scale`` between backward and step is the true gradient."""
         return self.amp.loss_scale
 
     @property

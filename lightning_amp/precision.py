@@ -165,9 +165,11 @@ class AmpPrecision(AmpPluginBase, Precision):
 
     def _log_metrics(self, model: "pl.LightningModule") -> None:
         """Log the scale (a device tensor) and the skipped steps settled so far, on the steps the
-        Trainer writes to its logger (``log_every_n_steps``) only."""
+        Trainer writes to its logger (``log_every_n_steps``) only; nothing with ``log_metrics=False``."""
         trainer = model._trainer
-        if trainer is None or trainer.barebones or model._current_fx_name is None or trainer._results is None:
+        if not self.log_metrics or trainer is None or trainer.barebones:
+            return
+        if model._current_fx_name is None or trainer._results is None:
             return
         if trainer.logger is None or not trainer._logger_connector.should_update_logs:
             return

@@ -188,8 +188,9 @@ class AmpEngine:
         The backward of a half ``loss`` hands the scale itself, in the loss's dtype, to the half graph as
         the loss's gradient: 2**16, the dynamic scale's start, is inf in float16 (max 65504). The scale of
         such a backward is therefore at most the largest power of two the loss's dtype holds
-        (:func:`root_scale_limit`: 2**15 for float16); its grads carry that factor and are unscaled by it,
-        and the scalers' own scales are unchanged. A half loss upcast by the user (``loss.float() + aux``)
+        (:func:`root_scale_limit`: 2**15 for float16); the scalers of that backward are capped there for
+        good (:meth:`LossScaler.cap`), so the scale they report (``plugin.loss_scale``), grow and back off
+        from is the factor the grads carry. A half loss upcast by the user (``loss.float() + aux``)
         cannot be told apart from an fp32 one: its first step may overflow and the scale backs off."""
         scale = self.backward_scale(root_scale_limit(loss.dtype))
         if isinstance(scale, Tensor) or scale != 1.0:
@@ -199,22 +200,24 @@ class AmpEngine:
         return loss
 
     def backward_scale(self, limit: Optional[float] = None) -> Union[float, Tensor]:
-        """The scale of the next backward, at most ``limit``: a float when static, else a device tensor
-        (no host read). Grads held from earlier backwards are re-based onto it."""
+        """The scale of the next backward: a float when static, else a device tensor (no host read). With a
+        ``limit`` the scalers of this backward are capped at it first (:meth:`LossScaler.cap`). Grads held
+        from earlier backwards are re-based onto it."""
         if not self._states:
             self._last_scale = 1.0
             return 1.0
         candidates = self._states
         if len(candidates) > 1:
             candidates = [s for s in self._states if s.requires_grad()] or self._states
+        if limit is not None:
+            for state in candidates:
+                state.scaler.cap(limit)
         scales = [s.scaler.static_scale if s.scaler.static_scale is not None else s.scaler.scale_tensor
                   for s in candidates]
         if len(scales) == 1 or all(isinstance(x, float) for x in scales):
             scale = scales[0] if len(scales) == 1 else min(scales)
         else:
             scale = torch.stack([torch.as_tensor(x, device=candidates[0].scaler.device) for x in scales]).min()
-        if limit is not None:
-            scale = min(scale, limit) if isinstance(scale, float) else torch.clamp(scale, max=limit)
         for state in candidates:
             state.gate.poll()
             state.rebase(scale, shared=len(candidates) > 1, limit=limit)

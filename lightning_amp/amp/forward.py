@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp import function_backward, o2_policy
 from lightning_amp.amp.casts import cast_context
 from lightning_amp.amp.levels import AmpProperties
 from lightning_amp.amp.module_cast import default_dtype
@@ -47,7 +47,7 @@ def forward_context(props: AmpProperties, device_type: str) -> Iterator[None]:
     if props.autocast:
         with torch.autocast(device_type, dtype=props.dtype, cache_enabled=False), cast_context(props.dtype, device_type):
             if uses_o2_policy(props):
-                with o2_policy.forward():
+                with o2_policy.forward(), function_backward.autocast_backward():
                     yield
             else:
                 yield

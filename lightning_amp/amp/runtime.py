@@ -38,7 +38,8 @@ from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
 from lightning_amp.amp.levels import AmpProperties, LossScaleSpec, resolve_properties
-from lightning_amp.amp.module_cast import cast_floating, cast_module_, cast_outputs_hook, prepare_o2_module_
+from lightning_amp.amp.module_cast import (cast_floating, cast_module_, cast_outputs_hook, default_dtype,
+                                           prepare_o2_module_)
 from lightning_amp.amp.o2_policy import PolicyHold, held as held_o2_policy, hold as hold_o2_policy
 from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.release import release_module_
@@ -138,6 +139,16 @@ class AmpRuntime:
 
     # ---- the model ---------------------------------------------------------------------
 
+    def init_context(self) -> contextlib.AbstractContextManager:
+        """What a model is created in (``Trainer.init_module``, ``Fabric.init_module``): where the level casts
+        the params to half (O3), the half dtype is torch's default dtype inside, restored on exit, so the
+        params are created half (as under Lightning's ``bf16-true``/``16-true``); otherwise nothing (fp32
+        params, as under Lightning's mixed precisions)."""
+        props = self.properties
+        if props.cast_model and not props.fp32_params:
+            return default_dtype(props.dtype)
+        return contextlib.nullcontext()
+
     def prepare(self, module: Module, fsdp2: bool = False, hold_policy: bool = True) -> Module:
         """Cast ``module`` in place for the level and hook its outputs; returns it. O0: fp32. Master weights
         (O2): params fp32, buffers as the model has them (``half_buffers``), BatchNorm fp32 if kept. O3: half.
@@ -183,11 +194,14 @@ class AmpRuntime:
 
     # ---- forward and backward ----------------------------------------------------------
 
-    def convert_input(self, data: Any) -> Any:
+    def convert_input(self, data: Any, cast_mixed: bool = False) -> Any:
         """O3: the batch's floating tensors become the half dtype, saturating at its range (an fp32
-        ``finfo.min`` mask stays finite); other levels leave it alone (autocast casts where an op needs it)."""
-        if casts_batch(self.properties):
-            return cast_floating(data, self.properties.dtype, saturating=True)
+        ``finfo.min`` mask stays finite). O1 and O2 leave it alone (autocast casts where an op needs it, as
+        the Trainer's ``bf16-mixed``), unless ``cast_mixed``: then they cast it so too, as Fabric's
+        ``bf16-mixed``/``16-mixed`` cast a forward's floating inputs. O0 never casts."""
+        props = self.properties
+        if casts_batch(props) or (cast_mixed and props.autocast):
+            return cast_floating(data, props.dtype, saturating=True)
         return data
 
     @contextlib.contextmanager

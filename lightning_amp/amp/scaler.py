@@ -161,6 +161,25 @@ class LossScaler:
         """1 / scale: the factor that unscales gradients."""
         return 1.0 / self.scale
 
+    def cap(self, limit: float) -> None:
+        """Keep the scale at most ``limit`` from now on: the ceiling (and the floor, where above it) becomes
+        ``limit``, a scale above it is lowered to it, a static one too. The backward of a float16 loss runs
+        at most at 2**15 (:meth:`~lightning_amp.amp.engine.AmpEngine.scale_loss`): capped here, the scale
+        the scaler reports, grows from and backs off from is the factor its grads carry. Device ops only
+        (no host read); nothing once capped at or below ``limit``."""
+        if self.static_scale is not None:
+            if self.static_scale > limit:
+                self.static_scale = limit
+                self._scale.fill_(limit)
+                self._scale32.fill_(limit)
+            return
+        if self.max_loss_scale <= limit:
+            return
+        self.max_loss_scale = limit
+        self.min_loss_scale = min(self.min_loss_scale, limit)
+        self._scale.clamp_(max=limit)
+        self._scale32.copy_(self._scale)
+
     def report_tensor(self) -> Tensor:
         """``[scale, overflows in a row]`` as a new 1-dim fp32 tensor on :attr:`device` (no host read):
         what a skipped step's report copies to the host with its flag."""

@@ -13,7 +13,8 @@
 * Fabric never hands a precision plugin its optimizers: each optimizer is connected to the engine
   the first time the plugin sees it (``optimizer_step``, ``unscale_gradients``, i.e. the first
   ``optimizer.step()`` or ``fabric.clip_gradients``). Until then backwards run at scale 1.
-* ``convert_output``: floating outputs become fp32, as Fabric's own ``bf16-mixed``/``bf16-true`` make them.
+* ``convert_input``/``convert_output``: a forward's floating inputs become the half dtype and its floating
+  outputs fp32, as Fabric's own ``bf16-mixed``/``bf16-true`` make them.
 * ``backward`` multiplies the loss by the scale (Fabric drops what ``pre_backward`` returns).
 * ``optimizer.step()`` runs :meth:`AmpRuntime.step`: unscale, agree on inf/nan across ranks, step or
   skip on the device. ``fabric.clip_gradients`` unscales first and clips the fp32 grads the optimizer
@@ -112,12 +113,13 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
         return self.amp.forward_context()
 
     def convert_input(self, data: Any) -> Any:
-        """O3: floating tensors become the half dtype, saturating at its range (an fp32 ``finfo.min``
-        mask stays finite); the autocast device follows the batch's."""
+        """O1-O3: the forward's floating inputs become the half dtype, as under Fabric's ``bf16-mixed``/``16-mixed``
+        (O1, O2) and ``bf16-true``/``16-true`` (O3), saturating at its range (an fp32 ``finfo.min`` mask stays
+        finite, where Fabric's make it ``-inf``); the autocast device follows the inputs'."""
         tensor = next((t for t in tree_leaves(data) if isinstance(t, Tensor)), None)
         if tensor is not None:
             self.amp.device_type = tensor.device.type
-        return self.amp.convert_input(data)
+        return self.amp.convert_input(data, cast_mixed=True)
 
     def convert_output(self, data: Any) -> Any:
         """Floating outputs become torch's default dtype (fp32), as under every Fabric precision but

@@ -1,6 +1,7 @@
 """O3 casts the batch to half *saturating*: an fp32 additive mask at ``finfo(float32).min`` must not
 become ``-inf`` (a fully masked softmax row would turn NaN and every step with one would be skipped).
-O2 leaves the batch as it comes, as ``bf16-mixed`` does (its autocast casts where an op needs it)."""
+The Trainer's O2 leaves the batch as it comes, as the Trainer's ``bf16-mixed`` does (its autocast casts where
+an op needs it); Fabric's O1/O2 cast a forward's inputs, as Fabric's ``bf16-mixed`` does."""
 import collections
 import dataclasses
 
@@ -89,10 +90,17 @@ def test_fully_masked_rows_of_an_fp32_batch_mask_train_like_fp32(level, weight_t
     assert (model.qkv.weight.float() - reference.qkv.weight).abs().max() < weight_tol * moved
 
 
-def test_fabric_plugin_casts_the_batch_saturating_at_o3_only():
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_fabric_plugin_casts_the_inputs_saturating(level):
+    """Fabric's forward inputs are cast at O1-O3, as Fabric's bf16-mixed and bf16-true cast them
+    (tests/fabric/test_fabric_convert.py); saturating, so the mask stays finite. The Trainer's O1/O2 leave
+    the batch alone, as the Trainer's bf16-mixed does."""
     x, mask = next(iter(_masked_batches()))
-    half_x, half_mask = FabricAmpPrecision("O3", dtype="bfloat16").convert_input((x, mask))
+    half_x, half_mask = FabricAmpPrecision(level, dtype="bfloat16").convert_input((x, mask))
     assert half_mask.dtype == torch.bfloat16 and torch.isfinite(half_mask).all()
     assert torch.equal(half_x, x.bfloat16())
-    same_x, same_mask = FabricAmpPrecision("O2", dtype="bfloat16").convert_input((x, mask))
+    same_x, same_mask = FabricAmpPrecision("O0").convert_input((x, mask))
     assert same_x is x and same_mask is mask
+    if level != "O3":
+        same_x, same_mask = AmpPrecision(level, dtype="bfloat16").convert_input((x, mask))
+        assert same_x is x and same_mask is mask

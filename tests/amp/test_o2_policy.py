@@ -186,6 +186,52 @@ def test_cuda_lists_run_half_inside_o2_forward_and_fp32_outside(dtype, cuda_list
     assert explicit.dtype == explicit_inside.dtype == torch.float32  # an explicit dtype= is kept
 
 
+@pytest.mark.parametrize("mode", ["torch", "cuda-lists-on-cpu"])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_group_norm_native_layer_norm_and_parameters_in_elementwise_ops_inside_o2_forward(dtype, mode):
+    """docs/o2-design.md's rules for the ops no other test calls inside O2's forward: ``group_norm`` and
+    ``native_layer_norm`` run in their input's dtype with half copies of their fp32 weight and bias (CUDA's
+    list would upcast them: checked outside); add/sub/mul/div of a half tensor and an fp32 Parameter, on
+    either side, cast the Parameter to half (type promotion would make them fp32); an input the model
+    made fp32 keeps its norm fp32. Each result equals the op on the half copies, bit for bit."""
+    _nothing_held()
+    g = _gen(4)
+    x = torch.randn(4, 6, 8, generator=g).to(dtype)
+    w, b = nn.Parameter(torch.randn(8, generator=g)), nn.Parameter(torch.randn(8, generator=g))
+    gw, gb = nn.Parameter(torch.randn(6, generator=g)), nn.Parameter(torch.randn(6, generator=g))
+    divisor = nn.Parameter(torch.rand(8, generator=g) + 0.5)
+    elementwise = {
+        "add": (lambda p: x + p, lambda p: p + x), "sub": (lambda p: x - p, lambda p: p - x),
+        "mul": (lambda p: x * p, lambda p: p * x), "div": (lambda p: x / divisor, lambda p: p / (x.abs() + 1)),
+    }
+    hold = o2_policy.hold(mode)
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            outside = F.group_norm(x, 3, gw, gb)
+            with o2_policy.forward():
+                group = F.group_norm(x, 3, gw, gb)
+                native = torch.native_layer_norm(x, (8,), w, b, 1e-5)
+                fp32_group = F.group_norm(x.float(), 3, gw, gb)
+                ops = {name: (left(w), right(w)) for name, (left, right) in elementwise.items()}
+    finally:
+        hold.release()
+    with torch.no_grad():
+        half_w, half_b, half_gw, half_gb = (t.to(dtype) for t in (w, b, gw, gb))
+        assert group.dtype == dtype and torch.equal(group, F.group_norm(x, 3, half_gw, half_gb))
+        reference = torch.native_layer_norm(x, (8,), half_w, half_b, 1e-5)
+        assert native[0].dtype == dtype
+        for got, expected in zip(native, reference):
+            assert got.dtype == expected.dtype and torch.equal(got, expected)
+        assert fp32_group.dtype == torch.float32 and torch.equal(fp32_group, F.group_norm(x.float(), 3, gw, gb))
+        expected_ops = {"add": (x + half_w, half_w + x), "sub": (x - half_w, half_w - x), "mul": (x * half_w, half_w * x),
+                        "div": (x / divisor.to(dtype), half_w / (x.abs() + 1))}
+        for name, results in ops.items():
+            for got, expected in zip(results, expected_ops[name]):
+                assert got.dtype == dtype and torch.equal(got, expected), name
+    if mode == "cuda-lists-on-cpu":  # what O2 changes there: CUDA's autocast upcasts group_norm
+        assert outside.dtype == torch.float32
+
+
 def test_other_threads_are_untouched_while_o2_forward_is_entered(held):
     """A bf16-mixed forward on another thread, running while this thread is inside O2's forward, gets
     torch's autocast (fp32 promotion by a Parameter), then this thread still gets O2's."""

@@ -326,6 +326,69 @@ def test_class_weighted_losses():
     assert losses["32-true"][0] - losses["32-true"][-1] > 0.1  # the tolerance is below what training moves
 
 
+class _LinearFunction(torch.autograd.Function):
+    """A hand-written linear layer: saves the module's fp32 weight, backward ``g @ w`` (no custom_bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x, grad.sum(0)
+
+
+class _DecoratedLinearFunction(torch.autograd.Function):
+    """The same Function with torch's remedy: ``torch.amp.custom_fwd``/``custom_bwd``."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x, weight, bias):
+        return _LinearFunction.forward(ctx, x, weight, bias)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        return _LinearFunction.backward(ctx, grad)
+
+
+class _CustomFunctionNet(_Classifier):
+    """The first layer through a custom autograd Function on the module's own Parameters."""
+
+    def __init__(self, function=_LinearFunction):
+        super().__init__()
+        self.function, self.out_dtypes = function, []
+        self.weight, self.bias = nn.Parameter(torch.randn(8, 8) / 3), nn.Parameter(torch.randn(8) / 3)
+
+    def forward(self, x):
+        hidden = self.function.apply(x, self.weight, self.bias)
+        self.out_dtypes.append(hidden.dtype)
+        return self.net(hidden)
+
+
+def test_a_custom_autograd_function_on_the_modules_parameters():
+    """Under O2 the Function's ``+ bias`` is half (O2's elementwise-Parameter rule) where bf16-mixed promotes
+    it to fp32, so its backward gets a half ``g`` against the saved fp32 weight; its backward runs under the
+    forward's autocast, as ``torch.amp.custom_bwd`` makes it (the decorated Function trains the same losses,
+    bit for bit), and O2 trains as bf16-mixed and bf16-true do."""
+    torchs_apply, losses, out_dtypes = vars(torch.autograd.Function)["apply"], {}, {}
+    for precision in ("32-true", "bf16-mixed", "bf16-true", "O2"):
+        recorder, model = LossRecorder(), _CustomFunctionNet()
+        _fit(model, precision, _batches(4, 16, 8), callbacks=[recorder])
+        losses[precision], out_dtypes[precision] = recorder.losses, set(model.out_dtypes)
+        assert all(p.grad is None or p.grad.dtype == p.dtype for p in model.parameters())
+    assert out_dtypes == {"32-true": {torch.float32}, "bf16-mixed": {torch.float32}, "bf16-true": {BF16}, "O2": {BF16}}
+    recorder = LossRecorder()
+    _fit(_CustomFunctionNet(_DecoratedLinearFunction), "O2", _batches(4, 16, 8), callbacks=[recorder])
+    assert recorder.losses == losses["O2"]
+    assert vars(torch.autograd.Function)["apply"] is torchs_apply  # put back after each O2 forward
+    assert losses["O2"] == pytest.approx(losses["bf16-mixed"], abs=0.03)
+    assert losses["O2"] == pytest.approx(losses["32-true"], abs=0.03)
+    assert losses["32-true"][0] - losses["32-true"][-1] > 0.1  # the tolerance is below what training moves
+
+
 class _CausalMixer(nn.Module):
     """Builds its mask from its own params' dtype, as many attention blocks do."""
 

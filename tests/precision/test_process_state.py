@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from _lightning import quiet_lightning
 from lightning_amp import AmpPrecision, register_float_function
-from lightning_amp.amp import casts, o2_policy
+from lightning_amp.amp import casts, function_backward, o2_policy
 
 LEVELS = ("O1", "O2", "O3")
 
@@ -52,6 +52,7 @@ def _snapshot():
         default_dtype=torch.get_default_dtype(),
         functions={(id(m), name): getattr(m, name) for m, name, _ in casts._patch_targets()},
         patch_depth=casts.patch_depth(),
+        function_apply=(vars(torch.autograd.Function)["apply"], function_backward.depth()),
         policy_installs=o2_policy.installs(),
         pre_hooks=dict(torch_module._global_forward_pre_hooks),
         environ=dict(os.environ),
@@ -87,6 +88,8 @@ def test_patched_functions_are_the_originals_again(before_and_after, level):
     before, after = before_and_after
     assert after[level]["patch_depth"] == 0
     assert after[level]["functions"] == before["functions"]
+    assert after[level]["function_apply"] == before["function_apply"]  # torch's Function.apply, no O2 forward open
+    assert before["function_apply"][1] == 0
 
 
 @pytest.mark.parametrize("level", LEVELS)

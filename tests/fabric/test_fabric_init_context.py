@@ -1,0 +1,43 @@
+"""Models created under ``Fabric.init_module()`` / the plugin's ``module_init_context()`` get the level's param dtype,
+as under Fabric's ``HalfPrecision`` (tests_fabric/plugins/precision/test_half.py's ``test_module_init_context``):
+half at O3, torch's default dtype restored afterwards; fp32 at O0-O2, as under ``32-true`` and the mixed precisions."""
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins.precision import HalfPrecision
+
+from lightning_amp.fabric import FabricAmpO1Precision, FabricAmpO2Precision, FabricAmpO3Precision
+
+HALF = [("bf16-true", "bfloat16", torch.bfloat16), ("16-true", "float16", torch.float16)]
+
+
+@pytest.mark.parametrize(("precision", "dtype", "expected_dtype"), HALF)
+@pytest.mark.parametrize("context", ["tensor_init_context", "module_init_context"])
+def test_module_init_context(precision, dtype, expected_dtype, context):
+    for plugin in (HalfPrecision(precision=precision), FabricAmpO3Precision(dtype=dtype)):
+        assert torch.get_default_dtype() == torch.float32
+        with getattr(plugin, context)():
+            model = torch.nn.Linear(2, 2)
+            assert torch.get_default_dtype() == expected_dtype
+        assert model.weight.dtype == model.bias.dtype == expected_dtype, type(plugin).__name__
+        assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize(("precision", "dtype", "expected_dtype"), HALF)
+def test_fabric_init_module_creates_half_params_at_o3(precision, dtype, expected_dtype):
+    for kwargs in ({"precision": precision}, {"plugins": [FabricAmpO3Precision(dtype=dtype)]}):
+        fabric = L.Fabric(accelerator="cpu", devices=1, **kwargs)
+        with fabric.init_module():
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+        assert {p.dtype for p in model.parameters()} == {expected_dtype}, kwargs
+        assert torch.get_default_dtype() == torch.float32
+        model = fabric.setup(model)
+        assert model(torch.randn(3, 4)).dtype == torch.float32  # outputs back to the default dtype, as Fabric's
+
+
+@pytest.mark.parametrize("plugin_cls", [FabricAmpO1Precision, FabricAmpO2Precision])
+def test_fabric_init_module_keeps_fp32_params_below_o3(plugin_cls):
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin_cls(dtype="bfloat16")])
+    with fabric.init_module():
+        model = torch.nn.Linear(4, 8)
+    assert model.weight.dtype == torch.float32
