@@ -5,7 +5,9 @@ One kernel call per (param group, device, dtype) updates the params and their st
 included): no host read decides the skip.
 
 Which optimizers (:func:`supports`): the class is exactly ``torch.optim.Adam``, ``AdamW`` or
-``SGD`` (subclasses may override ``step``), not ``fused=True`` (those unscale in their own
+``SGD`` (subclasses may override ``step``) and its ``step`` is torch's own (:func:`steps_as_torch`:
+not patched on the class nor wrapped on the instance, since the kernels would update instead and the
+patch would never run), not ``fused=True`` (those unscale in their own
 kernel), and every group has a float ``lr`` and ``betas``, ``maximize=False`` and
 ``differentiable=False``; Adam's ``amsgrad`` and ``decoupled_weight_decay``, SGD's momentum,
 dampening, nesterov and weight decay are supported; an optimizer with step pre/post hooks (its
@@ -42,6 +44,9 @@ from lightning_amp.amp.step_plan import StepPlan
 
 KERNEL_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: torch's own ``step`` of each class as imported (the function torch's profiling and hook decorators made
+#: when it created the class): another function there was patched in
+_TORCH_STEPS = {cls: cls.step for cls in KERNEL_CLASSES}
 
 
 def _group_supported(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> bool:
@@ -62,10 +67,24 @@ def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
                 or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
 
 
+def steps_as_torch(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` is torch's own method, so the kernels may update instead of calling it:
+    its class's ``step`` is the one torch defined (captured at import) and the instance has no ``step`` of
+    its own, except the call counter a torch LR scheduler wraps around the original (``_wrapped_by_lr_sched``:
+    it only sets ``_opt_called``, as :meth:`KernelStep.step` does). Read on every step: a patch made
+    after the first step counts from the next."""
+    original = _TORCH_STEPS.get(type(optimizer))
+    if original is None or type(optimizer).step is not original:
+        return False
+    own = vars(optimizer).get("step")
+    return own is None or (getattr(own, "_wrapped_by_lr_sched", False) and getattr(own, "__wrapped__", None) is original)
+
+
 def supports(optimizer: torch.optim.Optimizer) -> bool:
     """Whether :class:`KernelStep` can step ``optimizer`` (the rule in the module docstring; an
-    optimizer with step pre/post hooks, its own or global, steps itself, so the hooks run)."""
-    if has_step_hooks(optimizer):
+    optimizer with step pre/post hooks, its own or global, or a patched ``step`` steps itself, so the
+    hooks and the patch run)."""
+    if has_step_hooks(optimizer) or not steps_as_torch(optimizer):
         return False
     return (type(optimizer) in KERNEL_CLASSES and all(_group_supported(optimizer, g) for g in optimizer.param_groups)
             and all(p.dtype in _FLOATS and not _sparse(optimizer, p)
@@ -119,7 +138,7 @@ class KernelStep:
 
     def usable(self) -> bool:
         """True when this step can run through the kernels (the plan is rebuilt here if needed)."""
-        if has_step_hooks(self.optimizer):  # registered since the plan was built: the hooks must run
+        if has_step_hooks(self.optimizer) or not steps_as_torch(self.optimizer):  # since the plan was built
             return False
         if not self.plan.current(self.optimizer.param_groups):
             if not supports(self.optimizer):
