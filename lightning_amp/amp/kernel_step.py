@@ -44,9 +44,17 @@ from lightning_amp.amp.step_plan import StepPlan
 
 KERNEL_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-#: torch's own ``step`` of each class as imported (the function torch's profiling and hook decorators made
-#: when it created the class): another function there was patched in
-_TORCH_STEPS = {cls: cls.step for cls in KERNEL_CLASSES}
+#: the code of the wrapper torch puts around a class's ``step`` at its first construction (profiling, step hooks)
+_PROFILE_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args: None).__code__
+
+
+def _unhooked(step: Any) -> Any:
+    """``step`` without torch's profiling wrapper (``Optimizer._patch_step_function``), if it has one."""
+    return step.__wrapped__ if getattr(step, "__code__", None) is _PROFILE_WRAPPER_CODE else step
+
+
+#: torch's own ``step`` of each class, captured at import: another function there was patched in
+_TORCH_STEPS = {cls: _unhooked(cls.step) for cls in KERNEL_CLASSES}
 
 
 def _group_supported(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> bool:
@@ -69,15 +77,17 @@ def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
 
 def steps_as_torch(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` is torch's own method, so the kernels may update instead of calling it:
-    its class's ``step`` is the one torch defined (captured at import) and the instance has no ``step`` of
-    its own, except the call counter a torch LR scheduler wraps around the original (``_wrapped_by_lr_sched``:
-    it only sets ``_opt_called``, as :meth:`KernelStep.step` does). Read on every step: a patch made
-    after the first step counts from the next."""
+    its class's ``step`` is the one torch defined (captured at import; torch wraps it for profiling and its
+    step hooks at the class's first construction: the hooks are looked at apart, :func:`has_step_hooks`) and
+    the instance has no ``step`` of its own, except the call counter a torch LR scheduler wraps around the
+    class's (``_wrapped_by_lr_sched``: it only sets ``_opt_called``, as :meth:`KernelStep.step` does). Read
+    on every step: a patch made after the first step counts from the next."""
     original = _TORCH_STEPS.get(type(optimizer))
-    if original is None or type(optimizer).step is not original:
+    if original is None or _unhooked(type(optimizer).step) is not original:
         return False
     own = vars(optimizer).get("step")
-    return own is None or (getattr(own, "_wrapped_by_lr_sched", False) and getattr(own, "__wrapped__", None) is original)
+    return own is None or (getattr(own, "_wrapped_by_lr_sched", False)
+                           and _unhooked(getattr(own, "__wrapped__", None)) is original)
 
 
 def supports(optimizer: torch.optim.Optimizer) -> bool:
