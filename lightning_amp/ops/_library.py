@@ -86,7 +86,8 @@ def multi_tensor_adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[
                                     found_inf)
 
 
-@torch.library.custom_op(f"{_NS}::multi_tensor_sgd", mutates_args=("params", "grads", "momentum_buffers", "model_copies"))
+@torch.library.custom_op(f"{_NS}::multi_tensor_sgd",
+                         mutates_args=("params", "grads", "momentum_buffers", "model_copies"))
 def multi_tensor_sgd(params: List[Tensor], grads: List[Tensor], momentum_buffers: List[Tensor],
                      model_copies: List[Tensor], lr: float, momentum: float, dampening: float, weight_decay: float,
                      nesterov: bool, first_run: bool, grad_scale: Optional[Tensor],

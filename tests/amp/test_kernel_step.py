@@ -211,7 +211,8 @@ DRIVERS = {  # the optimizer and the step driver that steps it
 @pytest.mark.parametrize("driver", list(DRIVERS))
 def test_every_driver_leaves_the_grads_unscaled(driver):
     """After a step at loss scale 2^16, p.grad is the unscaled grad, whichever driver stepped (the protocol
-    one unscaling in its kernel: nothing reads the grads before the step), as torch's GradScaler leaves them."""
+    one unscaling in its kernel: nothing reads the grads before the step), as torch's GradScaler leaves them;
+    and the step path knows it: unscaling again (``amp.unscale``, idempotent until the next backward) keeps them."""
     torch.manual_seed(torch.seed() % 2**31)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     ref = copy.deepcopy(model)
@@ -228,8 +229,11 @@ def test_every_driver_leaves_the_grads_unscaled(driver):
         ref(x).pow(2).mean().backward()
         assert state.driver == driver.split("-")[0]
         amp.step(optimizer)
-        for p, r in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
+        for unscale_again in (False, True):
+            if unscale_again:
+                amp.unscale(optimizer)
+            for p, r in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
         with torch.no_grad():
             for p, r in zip(model.parameters(), ref.parameters()):
                 r.copy_(p)

@@ -162,3 +162,14 @@ def test_grads_after_an_in_kernel_step_are_torch_fused_adams(name, dtype, path):
         for p, q, g in zip(params, ref, grads):
             assert torch.equal(p.grad, q.grad), (found, (p.grad - q.grad).abs().max())
             assert torch.equal(p.grad, g if found else (g.float() / 65536).to(dtype)), found
+
+
+def test_a_non_contiguous_grad_is_left_unscaled_too(path):
+    """The kernels read dense grads: a transposed one is handed over as a copy, whose unscaled values must
+    reach ``p.grad`` all the same."""
+    param = torch.randn(5, 7, requires_grad=True)
+    grad = torch.randn(7, 5)
+    param.grad = grad.t() * 1024
+    assert not param.grad.is_contiguous()
+    FusedAdam([param], lr=1e-3).step(grad_scale=torch.tensor(1024.0))
+    assert torch.equal(param.grad, grad.t())
