@@ -134,7 +134,7 @@ def test_fallback_writes_the_callers_grads_as_the_extension(case, dtypes, monkey
                 grads = [g * 65536 for g in unscaled]
                 scaled, given = [g.clone() for g in grads], list(grads)
                 flags = dict(found_inf=torch.tensor(found), grad_scale=None if scale is None else torch.tensor(scale))
-                op(params, grads, *states, **kwargs, **steps, **flags, model_copies=model_copies)
+                op(params, grads, *states, **dict(kwargs, **steps), **flags, model_copies=model_copies)
                 assert len(grads) == len(given) and all(a is b for a, b in zip(grads, given))
                 want = unscaled if scale is not None and not found else scaled
                 for j, (g, w) in enumerate(zip(grads, want)):
