@@ -5,9 +5,12 @@
 // params of one float-like dtype, grads of one float-like dtype, state tensors in the params'
 // dtype, steps = one-element fp32 tensors, model_copies empty or 16-bit copies of fp32 params.
 //
-// Shared semantics: all math is fp32; grads are divided by *grad_scale when given; when
-// *found_inf != 0 nothing is written at all (params, state, steps, copies); otherwise each
-// step counter is incremented and its new value drives the bias corrections.
+// Shared semantics: all math is fp32; grads are divided by *grad_scale when given, and the
+// unscaled grad (rounded to the grad's dtype) is written back in the same pass, as torch's fused
+// optimizers do (no grad_scale: grads are only read); when *found_inf != 0 nothing is written at
+// all (params, state, steps, copies, grads); otherwise each step counter is incremented and its
+// new value drives the bias corrections. SGD's update uses the momentum as stored (rounded to the
+// buffer's dtype), as torch.optim.SGD.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -158,8 +158,10 @@ class AmpPrecision(AmpPluginBase, Precision):
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
             return None
+        # closure=: as Lightning's own precisions hand it to optimizer.step (a patched step or a step hook may
+        # read it); it has run already (the grads must exist before the overflow check) and returns its result
         self.amp.step(optimizer, lambda: self._after_closure(model, optimizer),
-                      self._grads_read_before_step(model), **kwargs)
+                      self._grads_read_before_step(model), closure=lambda: closure_result, **kwargs)
         self._log_metrics(model)
         return closure_result
 

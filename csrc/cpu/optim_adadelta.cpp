@@ -16,7 +16,7 @@ void fused_adadelta(const TensorList& params, const TensorList& grads, const Ten
   const std::vector<Chunk> chunks = make_chunks(numels_of(params));
   const VecF scale(scale_of(grad_scale)), wd(static_cast<float>(h.weight_decay)), rho(static_cast<float>(h.rho)), omr(static_cast<float>(1.0 - h.rho)),
       eps(static_cast<float>(h.eps)), neg_lr(static_cast<float>(-h.lr));
-  const bool has_wd = h.weight_decay != 0.0;
+  const bool has_wd = h.weight_decay != 0.0, unscale_grads = grad_scale.has_value();
   dispatch_types(params, grads, model_copies, "multi_tensor_adadelta",
                  [&](auto p_tag, auto g_tag, auto m_tag, auto copy) {
     using P = decltype(p_tag);
@@ -24,7 +24,7 @@ void fused_adadelta(const TensorList& params, const TensorList& grads, const Ten
     using M = decltype(m_tag);
     run_chunks(chunks, [&](int64_t, const Chunk& c) {
       P* p = ptr<P>(params[c.tensor], c.begin);
-      const G* g = cptr<G>(grads[c.tensor], c.begin);
+      G* g = ptr<G>(grads[c.tensor], c.begin);
       P* sq = ptr<P>(square_avgs[c.tensor], c.begin);
       P* acc = ptr<P>(acc_deltas[c.tensor], c.begin);
       M* out = nullptr;
@@ -33,6 +33,7 @@ void fused_adadelta(const TensorList& params, const TensorList& grads, const Ten
       for (int64_t i = 0; i < n; i += W) {
         const int64_t k = std::min(W, n - i);
         VecF gv = load_n(g + i, k) / scale;
+        if (unscale_grads) store_n(g + i, gv, k);
         VecF pv = load_n(p + i, k);
         if (has_wd) gv = at::vec::fmadd(pv, wd, gv);
         VecF sv = load_n(sq + i, k) * rho;

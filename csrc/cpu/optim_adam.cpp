@@ -21,7 +21,7 @@ void fused_adam(const TensorList& params, const TensorList& grads, const TensorL
   // Constants are formed in double (1 - beta2 in fp32 would be off by ~1e-5 relative).
   const VecF scale(scale_of(grad_scale)), b1w(static_cast<float>(1.0 - h.beta1)), b2(static_cast<float>(h.beta2)), omb2(static_cast<float>(1.0 - h.beta2)),
       eps(static_cast<float>(h.eps)), wd(static_cast<float>(h.weight_decay)), decay(static_cast<float>(1.0 - h.lr * h.weight_decay));
-  const bool has_wd = h.weight_decay != 0.0;
+  const bool has_wd = h.weight_decay != 0.0, unscale_grads = grad_scale.has_value();
   dispatch_types(params, grads, model_copies, "multi_tensor_adam", [&](auto p_tag, auto g_tag, auto m_tag, auto copy) {
     using P = decltype(p_tag);
     using G = decltype(g_tag);
@@ -32,7 +32,7 @@ void fused_adam(const TensorList& params, const TensorList& grads, const TensorL
       const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, step) : 1.0;
       const VecF neg_step_size(static_cast<float>(-h.lr / bc1)), bc2_sqrt(static_cast<float>(std::sqrt(bc2)));
       P* p = ptr<P>(params[c.tensor], c.begin);
-      const G* g = cptr<G>(grads[c.tensor], c.begin);
+      G* g = ptr<G>(grads[c.tensor], c.begin);
       P* m = ptr<P>(exp_avgs[c.tensor], c.begin);
       P* v = ptr<P>(exp_avg_sqs[c.tensor], c.begin);
       P* vmax = amsgrad ? ptr<P>(max_exp_avg_sqs[c.tensor], c.begin) : nullptr;
@@ -42,6 +42,7 @@ void fused_adam(const TensorList& params, const TensorList& grads, const TensorL
       for (int64_t i = 0; i < n; i += W) {
         const int64_t k = std::min(W, n - i);
         VecF gv = load_n(g + i, k) / scale;
+        if (unscale_grads) store_n(g + i, gv, k);
         VecF pv = load_n(p + i, k);
         if (has_wd) {
           if (h.adam_w_mode) {

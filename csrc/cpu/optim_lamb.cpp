@@ -1,8 +1,8 @@
 // CPU fused LAMB with apex FusedLAMB semantics, in two parallel passes over chunks of all
 // tensors (at::vec fp32 math, 64-bit offsets):
-//   1. lamb_moments: clip/unscale the grads, update the moments, and reduce ||p||^2 and
-//      ||update||^2 per tensor (the update is not stored: no scratch buffer, grads are left
-//      untouched);
+//   1. lamb_moments: unscale the grads (written back unscaled, not clipped, when a grad_scale is
+//      given), clip them, update the moments, and reduce ||p||^2 and ||update||^2 per tensor (the
+//      update is not stored: no scratch buffer);
 //   2. lamb_apply: recompute the update from the stored moments and the unchanged params and
 //      apply it with the per-tensor trust ratio from those squared norms, then advance the steps.
 // fused_lamb runs both back to back; sharded params (FSDP2) call them apart and sum the squared
@@ -73,7 +73,7 @@ at::Tensor lamb_moments(const TensorList& params, const TensorList& grads, const
   const VecF scale(scale_of(grad_scale)), clipv(static_cast<float>(clip)), b1(static_cast<float>(h.beta1)),
       b2(static_cast<float>(h.beta2)), omb2(static_cast<float>(1.0 - h.beta2)),
       b3(static_cast<float>(h.grad_averaging ? 1.0 - h.beta1 : 1.0));
-  const bool l2 = !h.adam_w_mode && h.weight_decay != 0.0;
+  const bool l2 = !h.adam_w_mode && h.weight_decay != 0.0, unscale_grads = grad_scale.has_value();
   const LambConsts k(h, steps);
   std::vector<double> chunk_p2(chunks.size(), 0.0), chunk_u2(chunks.size(), 0.0);
   dispatch_types(params, grads, {}, "multi_tensor_lamb", [&](auto p_tag, auto g_tag, auto, auto) {
@@ -81,7 +81,7 @@ at::Tensor lamb_moments(const TensorList& params, const TensorList& grads, const
     using G = decltype(g_tag);
     run_chunks(chunks, [&](int64_t ci, const Chunk& c) {
       const P* p = cptr<P>(params[c.tensor], c.begin);
-      const G* g = cptr<G>(grads[c.tensor], c.begin);
+      G* g = ptr<G>(grads[c.tensor], c.begin);
       P* m = ptr<P>(exp_avgs[c.tensor], c.begin);
       P* v = ptr<P>(exp_avg_sqs[c.tensor], c.begin);
       VecF p2(0.f), u2(0.f);
@@ -89,7 +89,9 @@ at::Tensor lamb_moments(const TensorList& params, const TensorList& grads, const
       for (int64_t i = 0; i < n; i += W) {
         const int64_t w = std::min(W, n - i);
         const VecF pv = load_n(p + i, w);
-        VecF gv = load_n(g + i, w) / scale / clipv;
+        const VecF unscaled = load_n(g + i, w) / scale;
+        if (unscale_grads) store_n(g + i, unscaled, w);
+        VecF gv = unscaled / clipv;
         if (l2) gv = at::vec::fmadd(pv, k.wd, gv);
         VecF mv = at::vec::fmadd(gv, b3, load_n(m + i, w) * b1);
         VecF vv = load_n(v + i, w) * b2;

@@ -23,13 +23,14 @@ struct AdadeltaFunctor {
     if (skip_step(found_inf)) return;
     const BlockChunk c = block_chunk(meta);
     P* p = static_cast<P*>(meta.addresses[0][c.tensor]);
-    const G* g = static_cast<const G*>(meta.addresses[1][c.tensor]);
+    G* g = static_cast<G*>(meta.addresses[1][c.tensor]);
     P* sq = static_cast<P*>(meta.addresses[2][c.tensor]);
     P* acc = static_cast<P*>(meta.addresses[3][c.tensor]);
     M* out = kCopy ? static_cast<M*>(meta.addresses[4][c.tensor]) : nullptr;
     const float scale = scale_of(grad_scale);
     for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
       float gv = to_f32(g[i]) / scale;
+      if (grad_scale != nullptr) g[i] = from_f32<G>(gv);  // the grad left unscaled, as torch's fused kernels
       float pv = to_f32(p[i]);
       if (a.weight_decay != 0.f) gv = fmaf(pv, a.weight_decay, gv);
       float sv = to_f32(sq[i]) * a.rho;

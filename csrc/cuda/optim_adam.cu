@@ -26,7 +26,7 @@ struct AdamFunctor {
     if (skip_step(found_inf)) return;
     const BlockChunk c = block_chunk(meta);
     P* p = static_cast<P*>(meta.addresses[0][c.tensor]);
-    const G* g = static_cast<const G*>(meta.addresses[1][c.tensor]);
+    G* g = static_cast<G*>(meta.addresses[1][c.tensor]);
     P* m = static_cast<P*>(meta.addresses[2][c.tensor]);
     P* v = static_cast<P*>(meta.addresses[3][c.tensor]);
     P* vmax = kAms ? static_cast<P*>(meta.addresses[4][c.tensor]) : nullptr;
@@ -39,6 +39,7 @@ struct AdamFunctor {
     const float scale = scale_of(grad_scale);
     for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
       float gv = to_f32(g[i]) / scale;
+      if (grad_scale != nullptr) g[i] = from_f32<G>(gv);  // the grad left unscaled, as torch's fused kernels
       float pv = to_f32(p[i]);
       if (a.weight_decay != 0.f) {
         if (a.adam_w_mode) {

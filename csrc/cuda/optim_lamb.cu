@@ -1,7 +1,7 @@
 // CUDA fused LAMB with apex FusedLAMB semantics, two multi-tensor-apply launches:
-//   1. lamb_moments: clip/unscale the grads, update the moments, and accumulate ||p||^2 and
-//      ||update||^2 per tensor into an fp64 [n, 2] tensor (block reduction + one fp64 atomicAdd
-//      per block; grads are left untouched);
+//   1. lamb_moments: unscale the grads (written back unscaled, not clipped, when a grad_scale is
+//      given), clip them, update the moments, and accumulate ||p||^2 and ||update||^2 per tensor
+//      into an fp64 [n, 2] tensor (block reduction + one fp64 atomicAdd per block);
 //   2. lamb_apply: recompute the update from the stored moments and the unchanged params and
 //      apply it with the per-tensor trust ratio from those squared norms; advance the steps.
 // fused_lamb runs both back to back; sharded params (FSDP2) call them apart and sum the squared
@@ -72,7 +72,7 @@ struct LambStage1 {
     if (skip_step(found_inf)) return;  // uniform over the block
     const BlockChunk c = block_chunk(meta);
     const P* p = static_cast<const P*>(meta.addresses[0][c.tensor]);
-    const G* g = static_cast<const G*>(meta.addresses[1][c.tensor]);
+    G* g = static_cast<G*>(meta.addresses[1][c.tensor]);
     P* m = static_cast<P*>(meta.addresses[2][c.tensor]);
     P* v = static_cast<P*>(meta.addresses[3][c.tensor]);
     const int64_t t = meta.aux[c.tensor];
@@ -83,7 +83,9 @@ struct LambStage1 {
     float p2 = 0.f, u2 = 0.f;
     for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
       const float pv = to_f32(p[i]);
-      float gv = to_f32(g[i]) / scale / clip;
+      const float unscaled = to_f32(g[i]) / scale;
+      if (grad_scale != nullptr) g[i] = from_f32<G>(unscaled);
+      float gv = unscaled / clip;
       if (a.l2_decay) gv = fmaf(pv, a.weight_decay, gv);
       const P ms = from_f32<P>(fmaf(gv, a.beta3, to_f32(m[i]) * a.beta1));
       float vv = to_f32(v[i]) * a.beta2;

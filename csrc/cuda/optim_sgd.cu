@@ -24,17 +24,19 @@ struct SgdFunctor {
     if (skip_step(found_inf)) return;
     const BlockChunk c = block_chunk(meta);
     P* p = static_cast<P*>(meta.addresses[0][c.tensor]);
-    const G* g = static_cast<const G*>(meta.addresses[1][c.tensor]);
+    G* g = static_cast<G*>(meta.addresses[1][c.tensor]);
     P* buf = kMomentum ? static_cast<P*>(meta.addresses[2][c.tensor]) : nullptr;
     M* out = kCopy ? static_cast<M*>(meta.addresses[Depth - 1][c.tensor]) : nullptr;
     const float scale = scale_of(grad_scale);
     for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
       float gv = to_f32(g[i]) / scale;
+      if (grad_scale != nullptr) g[i] = from_f32<G>(gv);  // the grad left unscaled, as torch's fused kernels
       float pv = to_f32(p[i]);
       if (a.weight_decay != 0.f) gv = fmaf(pv, a.weight_decay, gv);
       if constexpr (kMomentum) {
-        const float bv = a.first_run ? gv : fmaf(gv, a.one_minus_dampening, to_f32(buf[i]) * a.momentum);
-        buf[i] = from_f32<P>(bv);
+        const P stored = from_f32<P>(a.first_run ? gv : fmaf(gv, a.one_minus_dampening, to_f32(buf[i]) * a.momentum));
+        buf[i] = stored;
+        const float bv = to_f32(stored);  // the stored momentum, as torch
         gv = a.nesterov ? fmaf(bv, a.momentum, gv) : bv;
       }
       pv = fmaf(gv, -a.lr, pv);

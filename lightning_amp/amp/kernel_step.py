@@ -5,7 +5,9 @@ One kernel call per (param group, device, dtype) updates the params and their st
 included): no host read decides the skip.
 
 Which optimizers (:func:`supports`): the class is exactly ``torch.optim.Adam``, ``AdamW`` or
-``SGD`` (subclasses may override ``step``), not ``fused=True`` (those unscale in their own
+``SGD`` (subclasses may override ``step``) and its ``step`` is torch's own (:func:`steps_as_torch`:
+not patched on the class nor wrapped on the instance, since the kernels would update instead and the
+patch would never run), not ``fused=True`` (those unscale in their own
 kernel), and every group has a float ``lr`` and ``betas``, ``maximize=False`` and
 ``differentiable=False``; Adam's ``amsgrad`` and ``decoupled_weight_decay``, SGD's momentum,
 dampening, nesterov and weight decay are supported; an optimizer with step pre/post hooks (its
@@ -42,6 +44,17 @@ from lightning_amp.amp.step_plan import StepPlan
 
 KERNEL_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: the code of the wrapper torch puts around a class's ``step`` at its first construction (profiling, step hooks)
+_PROFILE_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args: None).__code__
+
+
+def _unhooked(step: Any) -> Any:
+    """``step`` without torch's profiling wrapper (``Optimizer._patch_step_function``), if it has one."""
+    return step.__wrapped__ if getattr(step, "__code__", None) is _PROFILE_WRAPPER_CODE else step
+
+
+#: torch's own ``step`` of each class, captured at import: another function there was patched in
+_TORCH_STEPS = {cls: _unhooked(cls.step) for cls in KERNEL_CLASSES}
 
 
 def _group_supported(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> bool:
@@ -62,10 +75,26 @@ def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
                 or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
 
 
+def steps_as_torch(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` is torch's own method, so the kernels may update instead of calling it:
+    its class's ``step`` is the one torch defined (captured at import; torch wraps it for profiling and its
+    step hooks at the class's first construction: the hooks are looked at apart, :func:`has_step_hooks`) and
+    the instance has no ``step`` of its own, except the call counter a torch LR scheduler wraps around the
+    class's (``_wrapped_by_lr_sched``: it only sets ``_opt_called``, as :meth:`KernelStep.step` does). Read
+    on every step: a patch made after the first step counts from the next."""
+    original = _TORCH_STEPS.get(type(optimizer))
+    if original is None or _unhooked(type(optimizer).step) is not original:
+        return False
+    own = vars(optimizer).get("step")
+    return own is None or (getattr(own, "_wrapped_by_lr_sched", False)
+                           and _unhooked(getattr(own, "__wrapped__", None)) is original)
+
+
 def supports(optimizer: torch.optim.Optimizer) -> bool:
     """Whether :class:`KernelStep` can step ``optimizer`` (the rule in the module docstring; an
-    optimizer with step pre/post hooks, its own or global, steps itself, so the hooks run)."""
-    if has_step_hooks(optimizer):
+    optimizer with step pre/post hooks, its own or global, or a patched ``step`` steps itself, so the
+    hooks and the patch run)."""
+    if has_step_hooks(optimizer) or not steps_as_torch(optimizer):
         return False
     return (type(optimizer) in KERNEL_CLASSES and all(_group_supported(optimizer, g) for g in optimizer.param_groups)
             and all(p.dtype in _FLOATS and not _sparse(optimizer, p)
@@ -119,7 +148,7 @@ class KernelStep:
 
     def usable(self) -> bool:
         """True when this step can run through the kernels (the plan is rebuilt here if needed)."""
-        if has_step_hooks(self.optimizer):  # registered since the plan was built: the hooks must run
+        if has_step_hooks(self.optimizer) or not steps_as_torch(self.optimizer):  # since the plan was built
             return False
         if not self.plan.current(self.optimizer.param_groups):
             if not supports(self.optimizer):

@@ -205,8 +205,9 @@ class OptimizerStep:
                 del self.optimizer.grad_scale, self.optimizer.found_inf
         else:
             self.optimizer.step(**step_kwargs)
-        if not in_kernel:
-            self.grad_factor = None
+        # unscaled now (in the kernel too: written back, as torch's fused optimizers); on a skipped step they
+        # are dropped when the flag lands, or zeroed before the next backward (_LateSkip)
+        self.grad_factor = None
         self._found = None
         self.scaler.update(found_inf)
         report = self.scaler.report_tensor()

@@ -24,7 +24,9 @@ Conventions shared by all ops:
   untouched when it is non-zero. The pure-PyTorch fallbacks honour it without reading it on
   the host: they update, then put back what they touched where it is set (``torch.where``, at
   the cost of one copy of the touched tensors).
-* ``grad_scale`` is the loss scale the gradients were multiplied by (the op divides by it).
+* ``grad_scale`` is the loss scale the gradients were multiplied by: the optimizer steps divide by it
+  and write the unscaled gradients back in the same pass (as torch's fused optimizers); without it they
+  only read the gradients.
 * The ops take DTensors (FSDP2 / DTensor tensor-parallel shards): the compiled operators through
   DTensor's own dispatch (:mod:`._dtensor`: the local shards updated in place, placements kept;
   norms and flags returned ``Partial``, reduced by DTensor; LAMB's trust ratio from DTensor's

@@ -9,7 +9,8 @@ wraps what it returns. The strategy is one ``OpSpec`` that keeps every tensor wh
   of every other per-element list (``grads``, ``exp_avgs``, ``model_copies``, ...): a list the op writes
   must already have them (a redistributed copy would take the writes, so a mismatch is refused: DTensor
   raises it as a RuntimeError naming the tensor); a list
-  it only reads (``grads``) is redistributed to them by DTensor (a ``Partial`` grad is reduced first);
+  it only reads (``grads`` without a ``grad_scale``: the optimizer steps write them back unscaled only when
+  given one) is redistributed to them by DTensor (a ``Partial`` grad is reduced first);
 * single tensors (``found_inf``, ``grad_scale``, ``global_grad_norm``, ``sq_norms``) and the ``steps``
   counters are replicated: plain 0-dim tensors count as replicated (DTensor's rule for scalars), a
   ``Partial`` one is reduced before the kernel reads it. A ``found_inf`` the op writes is this rank's
@@ -76,6 +77,8 @@ def _flat_args(op_schema) -> List[Tuple[str, Optional[int], DTensorSpec, bool, b
     out = []
     for arg, value in zip(op_schema.op._schema.arguments, op_schema.args_schema):
         written = arg.alias_info is not None and arg.alias_info.is_write
+        if arg.name == "grads":  # the optimizer steps write the grads (unscaled) only when given a grad_scale
+            written = written and _arg(op_schema, "grad_scale") is not None
         if isinstance(value, OpStrategy):
             out.append((arg.name, None, _spec(value), written, False))
         elif isinstance(value, TupleStrategy):

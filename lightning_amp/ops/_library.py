@@ -2,8 +2,9 @@
 
 Each operator is a Python custom op (``torch.library.custom_op``) whose kernel calls the pybind11
 entry point of the same name, which checks every argument in C++ (the only checks on this path).
-The schemas declare what each op writes (``mutates_args``), so ``torch.compile`` functionalizes
-the calls instead of breaking the graph, and ops that return tensors have fake kernels giving the
+The schemas declare what each op writes (``mutates_args``; the optimizer steps write their grads,
+unscaled, when given a ``grad_scale``), so ``torch.compile`` functionalizes the calls instead of
+breaking the graph, and ops that return tensors have fake kernels giving the
 outputs' metadata. The operators exist whether or not the extension loaded; the public functions
 in :mod:`lightning_amp.ops` call them only when :func:`~lightning_amp.ops.backend` names the
 extension for the tensors' device (otherwise the pure-PyTorch fallbacks run, which
@@ -74,7 +75,8 @@ def multi_tensor_l2norm(tensors: List[Tensor], per_tensor: bool) -> Tuple[Tensor
 
 
 @torch.library.custom_op(f"{_NS}::multi_tensor_adam",
-                         mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "model_copies"))
+                         mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps",
+                                       "model_copies"))
 def multi_tensor_adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                       max_exp_avg_sqs: List[Tensor], steps: List[Tensor], model_copies: List[Tensor], lr: float,
                       beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: bool,
@@ -84,7 +86,8 @@ def multi_tensor_adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[
                                     found_inf)
 
 
-@torch.library.custom_op(f"{_NS}::multi_tensor_sgd", mutates_args=("params", "momentum_buffers", "model_copies"))
+@torch.library.custom_op(f"{_NS}::multi_tensor_sgd",
+                         mutates_args=("params", "grads", "momentum_buffers", "model_copies"))
 def multi_tensor_sgd(params: List[Tensor], grads: List[Tensor], momentum_buffers: List[Tensor],
                      model_copies: List[Tensor], lr: float, momentum: float, dampening: float, weight_decay: float,
                      nesterov: bool, first_run: bool, grad_scale: Optional[Tensor],
@@ -94,7 +97,7 @@ def multi_tensor_sgd(params: List[Tensor], grads: List[Tensor], momentum_buffers
 
 
 @torch.library.custom_op(f"{_NS}::multi_tensor_adadelta",
-                         mutates_args=("params", "square_avgs", "acc_deltas", "steps", "model_copies"))
+                         mutates_args=("params", "grads", "square_avgs", "acc_deltas", "steps", "model_copies"))
 def multi_tensor_adadelta(params: List[Tensor], grads: List[Tensor], square_avgs: List[Tensor],
                           acc_deltas: List[Tensor], steps: List[Tensor], model_copies: List[Tensor], lr: float,
                           rho: float, eps: float, weight_decay: float, grad_scale: Optional[Tensor],
@@ -104,7 +107,7 @@ def multi_tensor_adadelta(params: List[Tensor], grads: List[Tensor], square_avgs
 
 
 @torch.library.custom_op(f"{_NS}::multi_tensor_lamb",
-                         mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "model_copies"))
+                         mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "steps", "model_copies"))
 def multi_tensor_lamb(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                       steps: List[Tensor], model_copies: List[Tensor], lr: float, beta1: float, beta2: float,
                       eps: float, weight_decay: float, bias_correction: bool, grad_averaging: bool,
@@ -115,7 +118,7 @@ def multi_tensor_lamb(params: List[Tensor], grads: List[Tensor], exp_avgs: List[
                                     max_grad_norm, use_nvlamb, grad_scale, found_inf)
 
 
-@torch.library.custom_op(f"{_NS}::multi_tensor_lamb_moments", mutates_args=("exp_avgs", "exp_avg_sqs"))
+@torch.library.custom_op(f"{_NS}::multi_tensor_lamb_moments", mutates_args=("grads", "exp_avgs", "exp_avg_sqs"))
 def multi_tensor_lamb_moments(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
                               exp_avg_sqs: List[Tensor], steps: List[Tensor], beta1: float, beta2: float, eps: float,
                               weight_decay: float, bias_correction: bool, grad_averaging: bool, adam_w_mode: bool,

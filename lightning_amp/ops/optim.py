@@ -22,9 +22,10 @@ from ._dtensor import DTensor as _DTensor  # None: torch built without distribut
 # Fused optimizer updates (one call per param group and dtype over lists of tensors)
 #
 # Shared conventions: ``steps`` are per-tensor 0-dim float32 step counters that the op
-# increments itself; ``grad_scale`` (0-dim fp32) divides the grads in the kernel;
-# ``found_inf`` (0-dim fp32) non-zero means the op changes NOTHING (params, state, steps,
-# model copies). ``model_copies`` (optional, 16-bit) receive the updated fp32 ``params``
+# increments itself; ``grad_scale`` (0-dim fp32) divides the grads in the kernel, which writes the
+# unscaled grads back in place (rounded to their dtype), as torch's fused optimizers do; without it
+# the grads are only read; ``found_inf`` (0-dim fp32) non-zero means the op changes NOTHING (params,
+# state, steps, model copies, grads). ``model_copies`` (optional, 16-bit) receive the updated fp32 ``params``
 # rounded to their dtype in the same pass (fp32 master weights + half model copy).
 # All math is fp32; state tensors have the dtype of their param.
 # --------------------------------------------------------------------------------------
@@ -173,8 +174,20 @@ def _undone_if(found_inf: Optional[Tensor], *groups: Optional[Sequence[Tensor]])
 
 
 def _unscaled_fp32(grad: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
+    """``grad`` in fp32 divided by ``grad_scale``, which is also written back into ``grad`` (rounded to
+    its dtype), as the compiled kernels do; the update goes on with the unrounded fp32 value."""
     g = grad.float()
-    return g / grad_scale.reshape(()) if grad_scale is not None else g
+    if grad_scale is None:
+        return g
+    g = g / grad_scale.reshape(())
+    grad.copy_(g)
+    return g
+
+
+def _written(grads: Sequence[Tensor], grad_scale: Optional[Tensor]) -> Optional[Sequence[Tensor]]:
+    """The grads when the op writes them (given ``grad_scale``), for :func:`_undone_if`: a skipped step
+    leaves them as they were (scaled), as torch's fused optimizers do."""
+    return grads if grad_scale is not None else None
 
 
 def _store(dst: Tensor, src_fp32: Tensor) -> None:
@@ -182,26 +195,35 @@ def _store(dst: Tensor, src_fp32: Tensor) -> None:
         dst.copy_(src_fp32)
 
 
-def _torch_fused_grads(params: Sequence[Tensor], grads: Sequence[Tensor], grad_scale: Optional[Tensor]):
-    """Grads as torch's fused optimizer kernels take them (the params' dtype), or None where they
-    cannot without changing our numerics (grads wider than 16-bit params). Never the caller's
-    tensors when the kernel writes them: given grad_scale, torch's kernels store the unscaled
-    grads back; ours leave grads untouched. None under ``torch.compile``: torch's fused CPU kernels have
-    no functionalization or fake kernel, so a compiled step takes the per-tensor loop (plain ops)."""
+def _torch_fused_grads(params: Sequence[Tensor], grads: Sequence[Tensor]) -> Optional[list]:
+    """Grads as torch's fused optimizer kernels take them (the params' dtype): the caller's own where
+    the dtypes agree (given grad_scale, torch's kernels store the unscaled grads back into them, as the
+    compiled ops do), fp32 copies of 16-bit grads of fp32 params (:func:`_unscale_back` then writes their
+    unscaled values into the caller's grads), or None where they cannot without changing our numerics
+    (grads wider than 16-bit params). None under ``torch.compile``: torch's fused CPU kernels have no
+    functionalization or fake kernel, so a compiled step takes the per-tensor loop (plain ops)."""
     if torch.compiler.is_compiling():
         return None
     pdtype, gdtype = params[0].dtype, grads[0].dtype
     if gdtype != pdtype:
         return [g.to(pdtype) for g in grads] if pdtype == torch.float32 else None
-    return [g.clone() for g in grads] if grad_scale is not None else list(grads)
+    return list(grads)
+
+
+def _unscale_back(grads: Sequence[Tensor], taken: list, grad_scale: Optional[Tensor]) -> None:
+    """After torch's fused kernel unscaled ``taken`` in place: the caller's ``grads`` get those values
+    where ``taken`` were copies (:func:`_torch_fused_grads`)."""
+    if grad_scale is not None and taken[0] is not grads[0]:
+        torch._foreach_copy_(list(grads), taken)
 
 
 def _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
                    weight_decay, adam_w_mode, bias_correction, grad_scale, found_inf, model_copies) -> None:
     """torch's own fused Adam/AdamW kernel (same math: fp32 opmath, decoupled or L2 decay, AMSGrad)
     where it applies (bias correction on, grads convertible), else a per-tensor loop."""
-    with _undone_if(found_inf, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_copies):
-        fused_grads = _torch_fused_grads(params, grads, grad_scale) if bias_correction else None
+    with _undone_if(found_inf, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_copies,
+                    _written(grads, grad_scale)):
+        fused_grads = _torch_fused_grads(params, grads) if bias_correction else None
         if fused_grads is not None:
             torch._foreach_add_(list(steps), 1.0)  # torch's kernels read the already advanced step
             fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
@@ -209,6 +231,7 @@ def _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                   list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [], list(steps), lr=lr, beta1=beta1,
                   beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=max_exp_avg_sqs is not None, maximize=False,
                   grad_scale=grad_scale)
+            _unscale_back(grads, fused_grads, grad_scale)
             if model_copies is not None:
                 torch._foreach_copy_(list(model_copies), list(params))
             return
@@ -294,14 +317,18 @@ def _sgd_fallback(params, grads, momentum_buffers, lr, momentum, dampening, weig
     """torch's own fused SGD kernel (torch.optim.SGD semantics) where the grads allow, else a loop.
 
     Not for 16-bit params on the CPU: torch 2.13's CPU ``_fused_sgd_`` leaves the vectorised part
-    of bf16/fp16 params unchanged (measured: 1000 ones, lr 0.1, grad 1 -> only the tail moves)."""
-    with _undone_if(found_inf, params, momentum_buffers if momentum != 0 else None, model_copies):
-        usable = params[0].dtype == torch.float32 or params[0].is_cuda
-        fused_grads = _torch_fused_grads(params, grads, grad_scale) if usable else None
+    of bf16/fp16 params unchanged (measured: 1000 ones, lr 0.1, grad 1 -> only the tail moves); nor for
+    16-bit params with momentum on CUDA: torch's kernel updates them with the momentum before it is
+    rounded to the buffer's dtype, where ``torch.optim.SGD`` (and the compiled ops) use the stored one."""
+    with _undone_if(found_inf, params, momentum_buffers if momentum != 0 else None, model_copies,
+                    _written(grads, grad_scale)):
+        usable = params[0].dtype == torch.float32 or (params[0].is_cuda and momentum == 0)
+        fused_grads = _torch_fused_grads(params, grads) if usable else None
         if fused_grads is not None:
             torch._fused_sgd_(list(params), fused_grads, list(momentum_buffers) if momentum != 0 else [],
                               weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                               nesterov=nesterov, maximize=False, is_first_step=first_run, grad_scale=grad_scale)
+            _unscale_back(grads, fused_grads, grad_scale)
             if model_copies is not None:
                 torch._foreach_copy_(list(model_copies), list(params))
             return
@@ -317,6 +344,7 @@ def _sgd_fallback(params, grads, momentum_buffers, lr, momentum, dampening, weig
                 else:
                     buf.mul_(momentum).add_(g, alpha=1 - dampening)
                 _store(momentum_buffers[i], buf)
+                buf = momentum_buffers[i].float()  # the stored (16-bit: rounded) momentum, as torch
                 g = g.add(buf, alpha=momentum) if nesterov else buf
             pf.add_(g, alpha=-lr)
             _store(p, pf)
@@ -364,7 +392,7 @@ def multi_tensor_sgd(
 
 def _adadelta_fallback(params, grads, square_avgs, acc_deltas, steps, lr, rho, eps, weight_decay, grad_scale,
                        found_inf, model_copies) -> None:
-    with _undone_if(found_inf, params, square_avgs, acc_deltas, steps, model_copies):
+    with _undone_if(found_inf, params, square_avgs, acc_deltas, steps, model_copies, _written(grads, grad_scale)):
         for i, p in enumerate(params):
             g = _unscaled_fp32(grads[i], grad_scale)
             steps[i].add_(1)
@@ -435,7 +463,7 @@ def _lamb_fallback(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2
     moments and the update with the squared norms of param and update, then (after ``reduce_norms``)
     the update applied with the trust ratio. A set ``found_inf`` puts back what was touched (every rank
     still joins ``reduce_norms``)."""
-    with _undone_if(found_inf, params, exp_avgs, exp_avg_sqs, steps, model_copies):
+    with _undone_if(found_inf, params, exp_avgs, exp_avg_sqs, steps, model_copies, _written(grads, grad_scale)):
         gnorm = global_grad_norm.reshape(())
         clip = (gnorm / max_grad_norm).clamp_min(1.0) if max_grad_norm > 0 else 1.0
         beta3 = 1 - beta1 if grad_averaging else 1.0

@@ -56,8 +56,9 @@ class FusedOptimizer(InKernelScaling, torch.optim.Optimizer):
     """Base of FusedAdam/SGD/LAMB/Adadelta: one ``lightning_amp.ops`` call per (group, device, dtype).
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (loss scale the
-    grads carry) is divided out inside the kernel; a non-zero ``found_inf`` leaves params, state
-    and step counters untouched. Both may also be set as attributes ``optimizer.grad_scale`` /
+    grads carry) is divided out inside the kernel, which leaves each ``p.grad`` unscaled (as torch's
+    ``fused=True`` optimizers); a non-zero ``found_inf`` leaves params, state, step counters and grads
+    untouched. Both may also be set as attributes ``optimizer.grad_scale`` /
     ``optimizer.found_inf`` (the protocol of ``torch.amp.GradScaler`` for optimizers with
     ``_step_supports_amp_scaling``).
     """
@@ -248,5 +249,10 @@ def new_step(p: Tensor) -> Tensor:
 
 
 def grads_of(params: list) -> list:
-    """The grads of ``params``, made contiguous if needed (the kernels read them densely)."""
-    return [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+    """The grads of ``params`` for one kernel call. A non-contiguous grad is replaced by a contiguous copy
+    (``p.grad`` itself: the kernels read the grads densely and, given a ``grad_scale``, write them back
+    unscaled, which must reach ``p.grad``)."""
+    for p in params:
+        if not p.grad.is_contiguous():
+            p.grad = p.grad.contiguous()
+    return [p.grad for p in params]

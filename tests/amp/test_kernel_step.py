@@ -1,9 +1,14 @@
-"""KernelStep: torch Adam/AdamW/SGD stepped by the fused kernels equal torch's own step on fp32 params."""
+"""KernelStep: torch Adam/AdamW/SGD stepped by the fused kernels equal torch's own step on fp32 params;
+which optimizers it takes (not a patched or hooked ``step``: that one runs, as under Lightning's precisions);
+the grads each step driver leaves behind."""
 import copy
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
 
+from lightning_amp import AmpO1Plugin, AmpRuntime, FusedAdam
 from lightning_amp.amp.kernel_step import KernelStep, supports
 
 CASES = {
@@ -108,3 +113,128 @@ def test_rule_of_what_runs_through_the_kernels():
     assert step.usable()
     edited.add_param_group({"params": [torch.randn(2, requires_grad=True)], "maximize": True})
     assert not step.usable()  # the rule is checked again when the groups change
+
+
+def _lr_scheduled(ps):
+    opt = torch.optim.AdamW(ps)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step on the instance: only counts calls
+    return opt
+
+
+def test_only_torchs_own_step_runs_through_the_kernels(monkeypatch):
+    """A step patched on the class or wrapped on the instance must run: the optimizer steps itself. torch's
+    LR schedulers' call counter around the original is not a patch (the kernel step sets what it records)."""
+    ps = [torch.randn(3, requires_grad=True)]
+    assert supports(_lr_scheduled(ps))
+    wrapped = torch.optim.AdamW(ps)
+    step = KernelStep(wrapped)
+    assert step.usable()
+    original = wrapped.step
+    wrapped.step = lambda *args, **kwargs: original(*args, **kwargs)
+    assert not supports(wrapped) and not step.usable()  # wrapped after the plan was built: read every step
+    lr_then_wrapped = _lr_scheduled(ps)
+    lr_then_wrapped.step = (lambda f: lambda *a, **k: f(*a, **k))(lr_then_wrapped.step)
+    assert not supports(lr_then_wrapped)
+    plain = torch.optim.SGD(ps, lr=0.1)
+    step = KernelStep(plain)
+    assert step.usable()
+    sgd_step = torch.optim.SGD.step
+    monkeypatch.setattr(torch.optim.SGD, "step", lambda self, closure=None: sgd_step(self, closure))
+    assert not supports(plain) and not step.usable()
+    assert supports(torch.optim.AdamW(ps))  # the other classes keep their own
+
+
+# -- a patched or hooked step under the Trainer: it runs, with closure=, as under Lightning's bf16-mixed ------
+
+
+class _Recorded(BoringModel):
+    """AdamW whose ``step`` is patched in one of three ways, each call recorded with the closure it got."""
+
+    def __init__(self, how, calls):
+        super().__init__()
+        self.how, self.calls = how, calls
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.1, weight_decay=0.01)
+        if self.how == "instance":
+            step = opt.step
+
+            def wrapped(*args, **kwargs):
+                self.calls.append(kwargs.get("closure"))
+                return step(*args, **kwargs)
+
+            opt.step = wrapped
+        elif self.how == "pre_hook":
+            opt.register_step_pre_hook(lambda optimizer, args, kwargs: self.calls.append(kwargs.get("closure")))
+        return opt
+
+
+def _fit_recorded(how, precision, monkeypatch):
+    calls = []
+    if how == "class":
+        adamw_step = torch.optim.AdamW.step
+
+        def patched(self, closure=None):
+            calls.append(closure)
+            return adamw_step(self, closure)
+
+        monkeypatch.setattr(torch.optim.AdamW, "step", patched)
+    L.seed_everything(3)
+    model = _Recorded(how, calls)
+    precision = {"precision": precision} if isinstance(precision, str) else {"plugins": [precision]}
+    L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, **precision).fit(model)
+    monkeypatch.undo()
+    return calls, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["class", "instance", "pre_hook"])
+def test_patched_or_hooked_step_runs_with_its_closure_as_under_bf16_mixed(how, monkeypatch):
+    ref_calls, ref_params = _fit_recorded(how, "bf16-mixed", monkeypatch)
+    calls, params = _fit_recorded(how, AmpO1Plugin(dtype="bfloat16"), monkeypatch)  # fused_update: the default
+    assert len(ref_calls) == len(calls) == 4
+    assert all(callable(c) for c in ref_calls + calls)  # Lightning's closure, and ours (already run)
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)  # torch's own step on the same grads: bitwise
+
+
+# -- the grads each driver leaves behind --------------------------------------------------------------------
+
+DRIVERS = {  # the optimizer and the step driver that steps it
+    "kernel": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "protocol": lambda ps: FusedAdam(ps, lr=1e-2),
+    "protocol-torch-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "host": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("driver", list(DRIVERS))
+def test_every_driver_leaves_the_grads_unscaled(driver):
+    """After a step at loss scale 2^16, p.grad is the unscaled grad, whichever driver stepped (the protocol
+    one unscaling in its kernel: nothing reads the grads before the step), as torch's GradScaler leaves them;
+    and the step path knows it: unscaling again (``amp.unscale``, idempotent until the next backward) keeps them."""
+    torch.manual_seed(torch.seed() % 2**31)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    ref = copy.deepcopy(model)
+    amp = AmpRuntime("O0", device_type="cpu", loss_scale=65536.0)
+    amp.prepare(model)
+    optimizer = DRIVERS[driver](list(model.parameters()))
+    amp.connect([optimizer], {p: [n] for n, p in model.named_parameters()})
+    state = amp.state_of(optimizer)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        with amp.backward_context():
+            amp.scale_loss(model(x).pow(2).mean()).backward()
+        ref.zero_grad()
+        ref(x).pow(2).mean().backward()
+        assert state.driver == driver.split("-")[0]
+        amp.step(optimizer)
+        for unscale_again in (False, True):
+            if unscale_again:
+                amp.unscale(optimizer)
+            for p, r in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), ref.parameters()):
+                r.copy_(p)
+        optimizer.zero_grad()

@@ -88,7 +88,7 @@ def _opcheck_cases():
     z = lambda: torch.zeros(())  # noqa: E731
     pair = lambda: [r(8), r(3)]  # noqa: E731
     lamp = ops._library.lamp
-    return {
+    cases = {
         "wgrad_gemm_accum_fp32": (lamp.wgrad_gemm_accum_fp32, (r(4, 6, dtype=torch.bfloat16),
                                                                r(4, 5, dtype=torch.bfloat16), r(5, 6))),
         "wgrad_gemm_accum_fp16": (lamp.wgrad_gemm_accum_fp16, (r(4, 6), r(4, 5), r(5, 6, dtype=torch.bfloat16))),
@@ -115,6 +115,12 @@ def _opcheck_cases():
                                                                    0.01, True, True, False,
                                                                    torch.rand(2, 2, dtype=torch.float64), None)),
     }
+    # given a grad_scale the optimizer steps also write the grads (unscaled): the schema must say so
+    for name in ("multi_tensor_adam", "multi_tensor_sgd", "multi_tensor_adadelta", "multi_tensor_lamb",
+                 "multi_tensor_lamb_moments"):
+        op, args = cases[name]
+        cases[f"{name}-grad_scale"] = (op, args[:-2] + (z() + 4.0, None))
+    return cases
 
 
 @needs_ext

@@ -102,3 +102,44 @@ def test_fallback_matches_extension(case, dtypes, monkeypatch):
         for result in (ext, ref):
             for copy, master in zip(result[3], result[0]):
                 assert torch.equal(copy, master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{str(d[0])[6:]}-{str(d[1])[6:]}{'-copies' if d[2] else ''}")
+@pytest.mark.parametrize("case", list(CASES))
+def test_fallback_writes_the_callers_grads_as_the_extension(case, dtypes, monkeypatch):
+    """What each path does to the caller's grads, the same on both: given a grad_scale, a clean step leaves
+    each grad divided by it in its own dtype (the scale a power of two: exactly the unscaled values), a
+    skipped step (found_inf set) leaves them as they were (scaled, as torch's fused Adam), and without a
+    grad_scale they are only read. Covers the fallback's copies (bf16 grads of fp32 masters, converted for
+    torch's kernel: the unscaled values must reach the caller's grads) and its undo of a skipped step (torch's
+    kernel runs without the flag: the grads it unscaled are put back). The caller's list is not changed."""
+    op, state_names, kwargs = CASES[case]
+    kwargs = dict(kwargs)
+    if "momentum" in kwargs:
+        kwargs["first_run"] = True
+    pdtype, gdtype, copies = dtypes
+    seed = torch.seed() % 2**31
+    results = []
+    for use_ext in (True, False):
+        params, *states = _lists(1 + len(state_names), pdtype, seed)
+        states = [[s.abs() for s in lst] for lst in states]
+        steps = {"steps": [torch.zeros(()) for _ in SHAPES]} if "steps" in kwargs else {}
+        model_copies = [p.to(torch.bfloat16) for p in params] if copies else None
+        seen = []
+        with monkeypatch.context() as m:
+            if not use_ext:
+                m.setattr(ops._ext, "_EXT", None)
+            for i, (scale, found) in enumerate([(65536.0, 0.0), (65536.0, 1.0), (None, 0.0)]):
+                (unscaled,) = _lists(1, gdtype, seed + 200 + i)
+                grads = [g * 65536 for g in unscaled]
+                scaled, given = [g.clone() for g in grads], list(grads)
+                flags = dict(found_inf=torch.tensor(found), grad_scale=None if scale is None else torch.tensor(scale))
+                op(params, grads, *states, **dict(kwargs, **steps), **flags, model_copies=model_copies)
+                assert len(grads) == len(given) and all(a is b for a, b in zip(grads, given))
+                want = unscaled if scale is not None and not found else scaled
+                for j, (g, w) in enumerate(zip(grads, want)):
+                    assert torch.equal(g, w), (i, j, "ext" if use_ext else "fallback", f"seed {seed}")
+                seen.append([g.clone() for g in grads])
+        results.append(seen)
+    for a, b in zip(*results):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
