@@ -141,6 +141,8 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
             return state.optimizer.step(**kwargs)
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
+        if closure is not None:  # handed on already run, as Fabric's own precisions pass it to optimizer.step
+            kwargs["closure"] = lambda: result
         self.amp.step(state.optimizer, **kwargs)
         return result
 
