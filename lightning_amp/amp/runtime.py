@@ -182,6 +182,31 @@ class AmpRuntime:
             release_module_(module, self.properties)
         self._release_policy()
 
+    def change_level(self, opt_level: str, loss_scale: Optional[LossScaleSpec]) -> None:
+        """Go on at another level that keeps fp32 Parameters (O0, O1, O2: no new Parameters, the optimizers keep
+        theirs): the prepared model is released and prepared again at the new level (its forward context and O2's
+        op policy hold follow), and every optimizer gets a fresh scaler at ``loss_scale`` (:meth:`AmpEngine.restart`).
+        ValueError (nothing changed) when the other options do not fit the new level."""
+        old_props, old_request = self.properties, dict(self.request)
+        self.request.update(opt_level=opt_level, loss_scale=loss_scale)
+        try:
+            props = self._resolve(self.device_type)
+        except ValueError:
+            self.request = old_request
+            raise
+        if props.cast_model and not props.fp32_params or old_props.cast_model and not old_props.fp32_params:
+            self.request = old_request
+            raise ValueError(f"change_level: {old_props.opt_level} -> {props.opt_level} would change the Parameters' "
+                             "dtype; allowed levels: O0, O1, O2 (fp32 Parameters)")
+        module, hold = self.module, not self._policy_per_forward
+        if module is not None:
+            release_module_(module, old_props)
+        self._release_policy()
+        self.properties = props
+        if module is not None:
+            self.prepare(module, hold_policy=hold)
+        self.engine.restart()
+
     def _release_policy(self) -> None:
         if self._policy is not None:
             self._policy.release()
