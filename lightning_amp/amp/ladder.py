@@ -21,8 +21,9 @@ A move (:meth:`AmpLadder.move`): the flags on their way are waited for, the good
 are not replayed), the runtime changes level (:meth:`AmpRuntime.change_level`: the model re-prepared
 without new Parameters, fresh scalers at the new rung's scale), and a warning names the rule, the step,
 the params the overflow forensics named, and the old and new rung. Under several processes every rank
-moves together: on every ``rules.decide_every``-th step the ranks agree on the verdict (``agree``, one
-all-reduce) and only then move; a single process decides on every step.
+moves together: on every ``rules.decide_every``-th step the ranks agree on the verdict (one all-reduce) and
+only then move, and they agree whether a candidate snapshot may become the rollback point (one all-reduce per
+``snapshot_every`` steps); a single process decides on every step.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_amp.amp.ladder_rules import LadderRules, Rung, RungWatch, check_ladder
@@ -59,6 +61,21 @@ class _HostScalars:
         while self._pending and (self._pending[0][1] is None or self._pending[0][1].query()):
             values.append(float(self._pending.pop(0)[0]))
         return values
+
+
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _any_rank(flag: bool, runtime: Any) -> bool:
+    """Whether ``flag`` is set on any rank: one all-reduce (MAX) of a one-element tensor where the loss scale lives."""
+    states = runtime.engine.states
+    device = states[0].scaler.device if states else torch.device("cpu")
+    if dist.get_backend() == "gloo":
+        device = torch.device("cpu")
+    tensor = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
 
 
 class AmpLadder:
@@ -139,7 +156,8 @@ class AmpLadder:
             self.snapshots.take(self.steps, objects(), good=True)
         elif self.steps % self.rules.snapshot_every == 0 and (self.snapshots.candidate is None
                                                               or self.snapshots.candidate.step != self.steps):
-            if self._watch.calm:
+            calm = self._watch.calm
+            if calm if not _several_ranks() else not _any_rank(not calm, runtime):
                 self.snapshots.promote()
             self.snapshots.take(self.steps, objects())
 
@@ -149,18 +167,14 @@ class AmpLadder:
         for value in self._losses.landed():
             self._watch.loss(value)
 
-    def after_step(self, runtime: Any, objects: Callable[[], Mapping[str, Any]],
-                   agree: Optional[Callable[[bool], bool]] = None) -> bool:
-        """After an optimizer step: move one rung down if a rule fired (see the module docstring). ``agree``
-        (several processes): the all-reduced verdict, called on every ``decide_every``-th step only.
-        Whether the run moved."""
+    def after_step(self, runtime: Any, objects: Callable[[], Mapping[str, Any]]) -> bool:
+        """After an optimizer step: move one rung down if a rule fired (see the module docstring); under several
+        processes only on every ``decide_every``-th step, all ranks together. Whether the run moved."""
         self.steps += 1
         self.attach(runtime.engine)
         reason = self._watch.verdict()
-        if agree is not None:
-            if self.steps % self.rules.decide_every:
-                return False
-            if not agree(reason is not None):
+        if _several_ranks():
+            if self.steps % self.rules.decide_every or not _any_rank(reason is not None, runtime):
                 return False
             reason = reason or "a rule fired on another rank"
         if reason is None:
@@ -188,6 +202,8 @@ class AmpLadder:
         self.snapshots.drop_candidate()
         self.index += 1
         runtime.change_level(self.rung.opt_level, self.rung.loss_scale)
+        for state in engine.states:
+            state.gate.last_skipped = True  # the step that moved was rolled back: an LR scheduler call after it is void
         self.changes += 1
         self.reason, self.moved_at = reason, self.steps
         self._watch = RungWatch(self.rules)
