@@ -122,3 +122,29 @@ def test_bf16_default_ladder():
     plugin = AmpAutoPlugin(dtype="bfloat16")
     assert [tuple(r) for r in plugin.ladder.rungs] == [("O2", None), ("O1", None), ("O0", None)]
     assert plugin.properties.opt_level == "O2" and plugin.loss_scale == 1.0
+
+
+class SpikesAtO2(LitNet):
+    """GainSum(gain=1) trains at every rung; at O2 its loss is multiplied by 100 from step 6 on (finite grads, no
+    skipped step): only the loss-spike rule can see it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        at_o2 = self.trainer.precision_plugin.properties.opt_level == "O2"
+        return loss * 100.0 if at_o2 and self.trainer.global_step >= 6 else loss
+
+
+def test_a_loss_spike_on_logged_steps_moves_the_run(flag_timing, tmp_path):
+    rules = LadderRules(spike_factor=10.0, spike_steps=2, spike_history=4, snapshot_every=4)
+    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=rules)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=12, plugins=[plugin], logger=CSVLogger(tmp_path, name="spike"),
+                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with quiet_lightning():
+        trainer.fit(SpikesAtO2(lambda: GainSum(gain=1.0)))
+    ladder = plugin.ladder
+    assert ladder.changes == 1 and tuple(ladder.rung) == ("O1", 128.0) and plugin.skipped_steps == 0
+    assert ladder.reason.startswith("spike_factor: logged loss spiked on 2 logged steps in a row")
+    # spikes logged at steps 7 and 8; the candidate of step 4 was not promoted at step 8 (a spike was under way
+    # then), so the rollback point is still the start
+    assert ladder.moved_at == 8 and ladder.snapshot_step == 0
