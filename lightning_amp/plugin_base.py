@@ -69,6 +69,7 @@ class AmpPluginBase:
         ladder: with ``opt_level="auto"``: the rungs, ``[("O2", 128.0), ("O1", 128.0), ("O1", "dynamic")]`` style
             (levels O0-O2, a loss scale for float16 only); None: that default for float16, O2 -> O1 -> O0 for bfloat16.
         ladder_rules: with ``opt_level="auto"``: a :class:`~lightning_amp.amp.ladder_rules.LadderRules` (None: its defaults).
+            The dynamic-scaler keywords then configure the ladder's dynamic rungs (its static rungs ignore them).
 
     Properties: ``loss_scale`` (current scale of the first optimizer), ``loss_scales`` (all),
     ``skipped_steps`` (optimizer steps skipped for non-finite grads), ``properties``; ``amp`` is the runtime.
@@ -117,7 +118,8 @@ class AmpPluginBase:
                              min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
         #: the runtime of the level: prepare, forward context, backward, step, release
         self.amp = AmpRuntime(opt_level, dtype, loss_scale, keep_batchnorm_fp32, master_weights, cast_model_outputs,
-                              half_buffers, norm_policy, scaler_kwargs, combine_grad, fused_update, warn=rank_zero_warn)
+                              half_buffers, norm_policy, scaler_kwargs, combine_grad, fused_update, warn=rank_zero_warn,
+                              scaler_keywords_for_dynamic_only=self.ladder is not None)
         self.resolve_for(self.amp.device_type)
 
     def resolve_for(self, device_type: str) -> None:

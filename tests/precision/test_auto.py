@@ -148,3 +148,13 @@ def test_a_loss_spike_on_logged_steps_moves_the_run(flag_timing, tmp_path):
     # spikes logged at steps 7 and 8; the candidate of step 4 was not promoted at step 8 (a spike was under way
     # then), so the rollback point is still the start
     assert ladder.moved_at == 8 and ladder.snapshot_step == 0
+
+
+def test_dynamic_scaler_keywords_configure_the_dynamic_rung(flag_timing):
+    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES, init_scale=2.0**9, growth_interval=4)
+    assert plugin.loss_scale == 128.0  # the first rung's static scale
+    auto, _ = _fit(BigGradNet, plugin, 20)
+    assert tuple(plugin.ladder.rung) == ("O1", "dynamic") and plugin.scalers[0].growth_interval == 4
+    manual, _ = _fit(BigGradNet, AmpPrecision("O1", dtype="float16", init_scale=2.0**9, growth_interval=4),
+                     20 - plugin.ladder.moved_at)
+    _assert_same_weights(auto, manual)
