@@ -15,7 +15,6 @@ logged training loss, and says which rule fired (:meth:`RungWatch.verdict`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections import deque
@@ -129,9 +128,6 @@ class LadderRules:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an integer >= {low}; got {value!r}")
 
-    def replace(self, **changes: Any) -> "LadderRules":
-        return dataclasses.replace(self, **changes)
-
 
 class RungWatch:
     """The rules of :class:`LadderRules` applied to one rung's steps (host values only: no tensor is read).
@@ -147,14 +143,12 @@ class RungWatch:
         self.window: Deque[bool] = deque(maxlen=rules.skip_window)
         self.history: Deque[float] = deque(maxlen=rules.spike_history)
         self.spikes_in_a_row = 0
-        self.steps = 0
         self._reasons: List[str] = []
 
     def step(self, skipped: bool, scale: float, floor: Optional[float]) -> None:
         """One optimizer step landed: ``skipped`` for non-finite grads, ``scale`` the loss scale after its update,
         ``floor`` the dynamic scale's floor (None for a static scale)."""
         rules = self.rules
-        self.steps += 1
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         self.at_floor_in_a_row = self.at_floor_in_a_row + 1 if skipped and floor is not None and scale <= floor else 0
         self.window.append(skipped)

@@ -146,12 +146,11 @@ def test_a_failed_restore_raises():
 # ---- moves in a plain PyTorch loop -----------------------------------------------------
 
 
-def _train(net_cls, steps, opt_level="O2", loss_scale=None, ladder=None, rules=None):
+def _train(net_cls, steps, opt_level="O2", loss_scale=None, ladder=None):
     torch.manual_seed(0)
     model, (x, y) = net_cls(), full_batch()
     amp = AmpRuntime(opt_level, dtype="float16", loss_scale=loss_scale, device_type="cpu")
     if ladder is not None:
-        ladder.rules = rules or ladder.rules
         ladder.resolve(amp)
     amp.prepare(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
