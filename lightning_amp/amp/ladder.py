@@ -105,6 +105,7 @@ class AmpLadder:
         self.snapshots = SnapshotStore()
         self._watch = RungWatch(self.rules)
         self._watched: Any = None  # the gate watched
+        self._watcher: Optional[Callable[[bool, Optional[Any]], None]] = None  # what it calls
         self._losses = _HostScalars()
         self._bottom_warned = False
 
@@ -143,7 +144,15 @@ class AmpLadder:
         def landed(skipped: bool, payload: Optional[Any]) -> None:
             watch.step(skipped, float(payload[0]) if payload is not None else scaler.scale, floor)
 
+        self._watcher = landed
         state.gate.watchers.append(landed)
+
+    def _restart_watch(self, engine: Any) -> None:
+        """The rules start afresh (a new rung, or a rule that fired on the last one): the old watcher is detached."""
+        if self._watched is not None and self._watcher in self._watched.watchers:
+            self._watched.watchers.remove(self._watcher)
+        self._watch, self._watched, self._watcher = RungWatch(self.rules), None, None
+        self.attach(engine)
 
     # ---- per step ----------------------------------------------------------------------
 
@@ -184,9 +193,7 @@ class AmpLadder:
                 self.warn(f"lightning_amp ladder: {reason} at step {self.steps}, but the run is on the last rung "
                           f"({self.rung}): it goes on there")
                 self._bottom_warned = True
-            self._watch = RungWatch(self.rules)
-            self._watched = None
-            self.attach(runtime.engine)
+            self._restart_watch(runtime.engine)
             return False
         self.move(runtime, objects(), reason)
         return True
@@ -206,9 +213,7 @@ class AmpLadder:
             state.gate.last_skipped = True  # the step that moved was rolled back: an LR scheduler call after it is void
         self.changes += 1
         self.reason, self.moved_at = reason, self.steps
-        self._watch = RungWatch(self.rules)
-        self._watched = None
-        self.attach(engine)
+        self._restart_watch(engine)
         shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
         self.warn(f"lightning_amp ladder: {reason} at step {self.steps}; rolled back to step {self.snapshot_step} "
                   f"and moved from rung {self.index - 1} ({old}) to rung {self.index} ({self.rung}); non-finite grads "
@@ -231,10 +236,10 @@ class AmpLadder:
         self.reason, self.moved_at, self.snapshot_step = state["reason"], state["moved_at"], state["snapshot_step"]
         self.steps = int(state["steps"])
         self.snapshots = SnapshotStore()
-        self._watch, self._watched = RungWatch(self.rules), None
         rung = self.rung
         if (runtime.properties.opt_level, runtime.request["loss_scale"]) != (rung.opt_level, rung.loss_scale):
             runtime.change_level(rung.opt_level, rung.loss_scale)
+        self._restart_watch(runtime.engine)
         if self.changes:
             self.warn(f"lightning_amp ladder: resuming on rung {self.index} ({rung}), reached at step {self.moved_at} "
                       f"after {self.reason} (rolled back to step {self.snapshot_step})")

@@ -199,3 +199,12 @@ def test_a_run_that_never_diverges_is_the_plain_first_rung_bit_for_bit(flag_timi
     for (name, got), want in zip(auto.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(got, want), name
     assert ladder.snapshots.good.step == 6 and ladder.snapshots.candidate.step == 9
+
+
+def test_on_the_last_rung_a_rule_warns_once_and_the_gate_keeps_one_watcher():
+    ladder = AmpLadder([("O1", 128.0)], LadderRules(nonfinite_in_a_row=2))
+    with pytest.warns(UserWarning) as record:
+        _, amp = _train(BigGradNet, 12, ladder=ladder)  # every step overflows at O1/128: the rule fires 6 times
+    last = [str(w.message) for w in record if "the run is on the last rung" in str(w.message)]
+    assert len(last) == 1 and ladder.changes == 0 and ladder.rung == ("O1", 128.0)
+    assert len(amp.engine.states[0].gate.watchers) == 1
