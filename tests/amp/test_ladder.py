@@ -208,3 +208,18 @@ def test_on_the_last_rung_a_rule_warns_once_and_the_gate_keeps_one_watcher():
     last = [str(w.message) for w in record if "the run is on the last rung" in str(w.message)]
     assert len(last) == 1 and ladder.changes == 0 and ladder.rung == ("O1", 128.0)
     assert len(amp.engine.states[0].gate.watchers) == 1
+
+
+def test_change_level_keeps_the_parameters_and_refuses_o3():
+    model = GainSum(gain=1.0)
+    params = list(model.parameters())
+    amp = AmpRuntime("O2", dtype="float16", loss_scale=128.0, device_type="cpu")
+    amp.prepare(model)
+    assert amp.holds_policy
+    with pytest.raises(ValueError, match=r"O2 -> O3 would change the Parameters' dtype; allowed levels: O0, O1, O2"):
+        amp.change_level("O3", None)
+    assert amp.properties.opt_level == "O2" and amp.request["opt_level"] == "O2" and amp.holds_policy
+    amp.change_level("O1", "dynamic")
+    assert amp.properties.opt_level == "O1" and not amp.holds_policy and amp.loss_scale == 2.0**16
+    assert all(a is b and a.dtype == torch.float32 for a, b in zip(model.parameters(), params))
+    amp.release()
