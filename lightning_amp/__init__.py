@@ -9,10 +9,11 @@ from lightning_amp.amp.casts import (  # noqa: E402
     register_half_function,
     register_promote_function,
 )
+from lightning_amp.amp.ladder_rules import LadderRules  # noqa: E402
 from lightning_amp.amp.runtime import AmpRuntime  # noqa: E402
 from lightning_amp.amp.scaler import LossScaler  # noqa: E402
 from lightning_amp.optimizers import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD  # noqa: E402
 from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_amp.parallel.strategy import TensorParallelStrategy  # noqa: E402  (registers "tp_fused")
-from lightning_amp.precision import AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, AmpPrecision, main_params  # noqa: E402
+from lightning_amp.precision import AmpAutoPlugin, AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, AmpPrecision, main_params  # noqa: E402
 from lightning_amp.fabric.strategy import TensorParallelStrategy as _FabricTensorParallelStrategy  # noqa: E402,F401  (registers "tp_fused" for Fabric)

@@ -6,11 +6,13 @@ their names, and the per-level classes made from :data:`~lightning_amp.amp.level
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_amp.amp.ladder import AmpLadder
+from lightning_amp.amp.ladder_rules import LadderRules
 from lightning_amp.amp.levels import (LEVEL_SUMMARIES, OPT_LEVELS, AmpProperties, DtypeName, NormPolicyName,
                                       OptLevelName, OutputDtypeName)
 from lightning_amp.amp.runtime import AmpRuntime
@@ -18,14 +20,21 @@ from lightning_amp.amp.scaler import SCALER_DEFAULTS, LossScaler
 
 Kind = Literal["trainer", "fabric"]
 _STATE_VERSION = 1
+AUTO = "auto"
+
+
+def is_auto(opt_level: Any) -> bool:
+    """Whether ``opt_level`` asks for the precision ladder (``"auto"``, any case)."""
+    return isinstance(opt_level, str) and opt_level.strip().lower() == AUTO
 
 
 def plugin_name(kind: Kind, opt_level: Optional[str] = None) -> str:
     """The public class name of the ``kind`` plugin of ``opt_level`` (None: the one that takes ``opt_level``):
     ``AmpPrecision``/``AmpO2Plugin`` for the Trainer, ``FabricAmpPrecision``/``FabricAmpO2Precision`` for Fabric."""
+    level = "Auto" if is_auto(opt_level) else opt_level
     if kind == "trainer":
-        return "AmpPrecision" if opt_level is None else f"Amp{opt_level}Plugin"
-    return "FabricAmpPrecision" if opt_level is None else f"FabricAmp{opt_level}Precision"
+        return "AmpPrecision" if opt_level is None else f"Amp{level}Plugin"
+    return "FabricAmpPrecision" if opt_level is None else f"FabricAmp{level}Precision"
 
 
 class AmpPluginBase:
@@ -34,7 +43,9 @@ class AmpPluginBase:
     Args:
         opt_level: "O0" (fp32), "O1" (autocast + cast lists), "O2" (fp32 params, forward under autocast
             with norms, softmax and activations kept half, fp32 BatchNorm, fp32 grads and update),
-            "O3" (pure half); case-insensitive.
+            "O3" (pure half); case-insensitive. "auto": the precision ladder (:mod:`lightning_amp.amp.ladder`):
+            the run starts on the first rung of ``ladder`` and moves one rung down, rolling back to its last good
+            snapshot, when ``ladder_rules`` say it is not converging (docs/opt-levels.md).
         dtype: "float16", "bfloat16", a torch dtype, or "auto" (bfloat16 on CPU and on CUDA
             devices that support it, else float16).
         loss_scale: a positive static scale or "dynamic"; None is the level's default (1.0 with
@@ -59,6 +70,10 @@ class AmpPluginBase:
             ``LightningModule.log`` on the Trainer's logging steps, so they appear in the logger and in
             ``trainer.logged_metrics`` (default True); False logs nothing. Fabric's plugins log nothing
             either way (Fabric hands a precision plugin no logger).
+        ladder: with ``opt_level="auto"``: the rungs, ``[("O2", 128.0), ("O1", 128.0), ("O1", "dynamic")]`` style
+            (levels O0-O2, a loss scale for float16 only); None: that default for float16, O2 -> O1 -> O0 for bfloat16.
+        ladder_rules: with ``opt_level="auto"``: a :class:`~lightning_amp.amp.ladder_rules.LadderRules` (None: its defaults).
+            The dynamic-scaler keywords then configure the ladder's dynamic rungs (its static rungs ignore them).
 
     Properties: ``loss_scale`` (current scale of the first optimizer), ``loss_scales`` (all),
     ``skipped_steps`` (optimizer steps skipped for non-finite grads), ``properties``; ``amp`` is the runtime.
@@ -89,18 +104,45 @@ class AmpPluginBase:
         combine_grad: bool = False,
         fused_update: bool = True,
         log_metrics: bool = True,
+        ladder: Optional[Sequence[Any]] = None,
+        ladder_rules: Optional[LadderRules] = None,
     ) -> None:
         if not isinstance(log_metrics, bool):
             raise TypeError(f"`log_metrics` must be True or False; got {log_metrics!r}")
         super().__init__()
         #: whether the Trainer plugin logs ``amp/loss_scale`` and ``amp/skipped_steps``
         self.log_metrics = log_metrics
+        #: the precision ladder of ``opt_level="auto"`` (None at a fixed level)
+        self.ladder: Optional[AmpLadder] = None
+        if is_auto(opt_level):
+            if loss_scale is not None:
+                raise ValueError('`loss_scale` is set per rung with opt_level="auto": pass '
+                                 '`ladder=[(opt_level, loss_scale), ...]`, e.g. [("O2", 128.0), ("O1", "dynamic")]')
+            self.ladder = AmpLadder(ladder, ladder_rules, warn=rank_zero_warn)
+            opt_level, loss_scale = self.ladder.rung
+        elif ladder is not None or ladder_rules is not None:
+            raise ValueError(f'`ladder` and `ladder_rules` are for opt_level="auto"; got opt_level={opt_level!r}')
         scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                              growth_interval=growth_interval, hysteresis=hysteresis,
                              min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
         #: the runtime of the level: prepare, forward context, backward, step, release
         self.amp = AmpRuntime(opt_level, dtype, loss_scale, keep_batchnorm_fp32, master_weights, cast_model_outputs,
-                              half_buffers, norm_policy, scaler_kwargs, combine_grad, fused_update, warn=rank_zero_warn)
+                              half_buffers, norm_policy, scaler_kwargs, combine_grad, fused_update, warn=rank_zero_warn,
+                              scaler_keywords_for_dynamic_only=self.ladder is not None)
+        self.resolve_for(self.amp.device_type)
+
+    def resolve_for(self, device_type: str) -> None:
+        """The model computes on ``device_type``: the level's defaults (and the ladder's, with "auto") resolve for it."""
+        self.amp.resolve_for(device_type)
+        if self.ladder is not None:
+            self.ladder.resolve(self.amp)
+
+    def ladder_objects(self, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any]) -> Dict[str, Any]:
+        """What a rollback restores: the model, every optimizer and LR scheduler (``"model"``, ``"optimizer_0"``, ...)."""
+        objects: Dict[str, Any] = {"model": model}
+        objects.update((f"optimizer_{i}", getattr(opt, "_optimizer", opt)) for i, opt in enumerate(optimizers))
+        objects.update((f"scheduler_{i}", scheduler) for i, scheduler in enumerate(schedulers))
+        return objects
 
     @property
     def precision(self) -> str:  # type: ignore[override]
@@ -163,8 +205,12 @@ class AmpPluginBase:
         return self.amp.engine.last_nonfinite_params
 
     def state_dict(self) -> Dict[str, Any]:
-        """Scaler state of every optimizer and the skipped-step counts."""
-        return {"version": _STATE_VERSION, "opt_level": self.properties.opt_level, **self.amp.engine.state_dict()}
+        """Scaler state of every optimizer and the skipped-step counts (with "auto": the ladder's rung, reason and
+        snapshot step)."""
+        state = {"version": _STATE_VERSION, "opt_level": self.properties.opt_level, **self.amp.engine.state_dict()}
+        if self.ladder is not None:
+            state["ladder"] = self.ladder.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "loss_scalers" not in state_dict:
@@ -172,6 +218,8 @@ class AmpPluginBase:
                 f"{type(self).__name__}.load_state_dict: `state_dict` must come from an AmpPrecision plugin "
                 f"(with a 'loss_scalers' list); got keys {sorted(state_dict) if isinstance(state_dict, dict) else state_dict!r}"
             )
+        if self.ladder is not None and "ladder" in state_dict:
+            self.ladder.load_state_dict(state_dict["ladder"], self.amp)  # its rung first: the scalers belong to it
         self.amp.engine.load_state_dict(state_dict)
 
     def teardown(self) -> None:
@@ -201,10 +249,11 @@ class _FixedLevel:
 def level_classes(base: type, namespace: Dict[str, Any]) -> None:
     """Define ``base``'s class of every opt level in ``namespace`` (a module's globals), named by
     :func:`plugin_name` and documented from :data:`~lightning_amp.amp.levels.LEVEL_SUMMARIES`."""
-    for level in OPT_LEVELS:
+    for level in OPT_LEVELS + (AUTO,):
         name = plugin_name(base.kind, level)
+        summary = LEVEL_SUMMARIES.get(level, "the precision ladder (``opt_level=\"auto\"``): starts on its first rung "
+                                             "and moves one rung down, with a rollback, when the run is not converging.")
         doc = (f"Apex {level} for {'Lightning Fabric' if base.kind == 'fabric' else 'the Lightning Trainer'}: "
-               f"{LEVEL_SUMMARIES[level]} Same keyword arguments as :class:`{base.__module__}.{base.__name__}` but "
-               "``opt_level``.")
+               f"{summary} Same keyword arguments as :class:`{base.__module__}.{base.__name__}` but ``opt_level``.")
         namespace[name] = type(name, (_FixedLevel, base), {
             "fixed_opt_level": level, "__doc__": doc, "__module__": namespace["__name__"], "__qualname__": name})

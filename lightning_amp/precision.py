@@ -91,7 +91,7 @@ class AmpPrecision(AmpPluginBase, Precision):
                 f"Fabric?). With Fabric use lightning_amp.fabric.{fabric_name}(...): "
                 f"`Fabric(plugins=[{fabric_name}()])`."
             )
-        self.amp.resolve_for(trainer.strategy.root_device.type)
+        self.resolve_for(trainer.strategy.root_device.type)
         refuse_strategy(self, trainer.strategy)
         self.amp.prepare(module, fsdp2=isinstance(trainer.strategy, ModelParallelStrategy))
         if self.properties.cast_model and not self.properties.fp32_params:
@@ -154,6 +154,10 @@ class AmpPrecision(AmpPluginBase, Precision):
         self.amp.state_of(optimizer)  # an optimizer not seen at connect is checked (LBFGS) and gets a scaler
         if isinstance(optimizer, LBFGS):  # allowed only without scaling: needs its closure
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        laddered = self.ladder is not None and self.amp.engine.states[0].optimizer is getattr(optimizer, "_optimizer",
+                                                                                               optimizer)
+        if laddered:
+            self.ladder.before_step(self.amp, lambda: self._ladder_objects(model))
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
@@ -162,23 +166,38 @@ class AmpPrecision(AmpPluginBase, Precision):
         # read it); it has run already (the grads must exist before the overflow check) and returns its result
         self.amp.step(optimizer, lambda: self._after_closure(model, optimizer),
                       self._grads_read_before_step(model), closure=lambda: closure_result, **kwargs)
-        self._log_metrics(model)
+        self._log_metrics(model, closure_result if laddered else None)
+        if laddered:
+            self.ladder.after_step(self.amp, lambda: self._ladder_objects(model))
         return closure_result
 
-    def _log_metrics(self, model: "pl.LightningModule") -> None:
-        """Log the scale (a device tensor) and the skipped steps settled so far, on the steps the
-        Trainer writes to its logger (``log_every_n_steps``) only; nothing with ``log_metrics=False``."""
+    def _ladder_objects(self, model: "pl.LightningModule") -> Dict[str, Any]:
+        """What a ladder's rollback restores: the LightningModule, the Trainer's optimizers and LR schedulers."""
         trainer = model._trainer
-        if not self.log_metrics or trainer is None or trainer.barebones:
-            return
-        if model._current_fx_name is None or trainer._results is None:
+        return self.ladder_objects(_unwrap(model), trainer.optimizers,
+                                   [config.scheduler for config in trainer.lr_scheduler_configs])
+
+    def _log_metrics(self, model: "pl.LightningModule", loss: Any = None) -> None:
+        """Log the scale (a device tensor) and the skipped steps settled so far, on the steps the
+        Trainer writes to its logger (``log_every_n_steps``) only (nothing with ``log_metrics=False``); with "auto"
+        also ``amp/level`` (the opt level's number) and ``amp/rung_changes``, and on those steps the step's training
+        ``loss`` goes to the ladder's spike rule (whether or not the metrics are logged)."""
+        trainer = model._trainer
+        if trainer is None or trainer.barebones or model._current_fx_name is None or trainer._results is None:
             return
         if trainer.logger is None or not trainer._logger_connector.should_update_logs:
+            return
+        if self.ladder is not None and isinstance(loss, Tensor):
+            self.ladder.log_loss(loss)
+        if not self.log_metrics:
             return
         scaler = self.amp.engine.scalers[0]
         scale = scaler.static_scale if scaler.static_scale is not None else scaler.scale_tensor.clone()
         skipped = self.amp.engine.settled_skipped_steps
-        for name, value in (("amp/loss_scale", scale), ("amp/skipped_steps", float(skipped))):
+        values = [("amp/loss_scale", scale), ("amp/skipped_steps", float(skipped))]
+        if self.ladder is not None:
+            values += [("amp/level", float(self.properties.opt_level[1])), ("amp/rung_changes", float(self.ladder.changes))]
+        for name, value in values:
             model.log(name, value, on_step=True, on_epoch=False, logger=True, batch_size=1)
 
     def clip_gradients(
@@ -219,13 +238,14 @@ class AmpPrecision(AmpPluginBase, Precision):
                     break
 
 
-level_classes(AmpPrecision, globals())  # AmpO0Plugin .. AmpO3Plugin
+level_classes(AmpPrecision, globals())  # AmpO0Plugin .. AmpO3Plugin, AmpAutoPlugin
+AmpAutoPlugin: type[AmpPrecision]
 AmpO0Plugin: type[AmpPrecision]
 AmpO1Plugin: type[AmpPrecision]
 AmpO2Plugin: type[AmpPrecision]
 AmpO3Plugin: type[AmpPrecision]
 
-_PLUGIN_NAMES = tuple(plugin_name("trainer", level) for level in (None, "O0", "O1", "O2", "O3"))
+_PLUGIN_NAMES = tuple(plugin_name("trainer", level) for level in (None, "O0", "O1", "O2", "O3", "auto"))
 
 
 def _report_compute_dtype_to_throughput_monitor() -> None:
@@ -250,5 +270,5 @@ def _report_compute_dtype_to_throughput_monitor() -> None:
 _report_compute_dtype_to_throughput_monitor()
 
 
-__all__ = ["AmpPrecision", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin", "main_params",
+__all__ = ["AmpPrecision", "AmpAutoPlugin", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin", "main_params",
            "make_scheduler_skip_aware", "OVERFLOW_WARN_AFTER"]

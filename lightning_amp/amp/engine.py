@@ -110,6 +110,18 @@ class AmpEngine:
         after_unscale()
         state.apply(found_inf, in_kernel, **step_kwargs)
 
+    def restart(self) -> None:
+        """After a change of level: every optimizer gets a fresh scaler at the level's scale and a fresh step (its
+        caches of the optimizer's state, which may have been reloaded, rebuilt; the grads it holds dropped). The
+        flags still on their way are waited for first."""
+        for state in self._states:
+            state.gate.poll(wait=True)
+        for index, state in enumerate(self._states):
+            state.clear_grads()
+            self._scalers[index] = self._new_scaler()
+            self._states[index] = self._new_state(state.optimizer, self._scalers[index], self.combine_grad)
+        self._last_scale = None
+
     @property
     def states(self) -> List[OptimizerStep]:
         return self._states

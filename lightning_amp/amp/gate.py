@@ -90,6 +90,9 @@ class StepGate:
         self._recorded = 0
         self._lag = simulated_device_lag()
         self.last_skipped = False  # of the newest settled step
+        #: called for every settled step, in order, with (skipped, that step's host payload after
+        #: ``found_inf``: what :meth:`record` got as ``flags``, or None); read it at once, its buffer is reused
+        self.watchers: List[Callable[[bool, Optional[Any]], None]] = []
 
     @property
     def lands_at_once(self) -> bool:
@@ -142,8 +145,11 @@ class StepGate:
                 return
             self._pending.popleft()
             self.last_skipped = bool(record.view[0] != 0)
+            payload = record.view[1:] if len(record.view) > 1 else None
             if self.last_skipped:
-                self._on_skip(record.context, record.view[1:] if len(record.view) > 1 else None)
+                self._on_skip(record.context, payload)
+            for watch in self.watchers:
+                watch(self.last_skipped, payload)
             self._pool.append((record.host, record.view, record.event))
             due = [fn for i, fn in self._deferred if i == record.index]
             self._deferred = [(i, fn) for i, fn in self._deferred if i != record.index]

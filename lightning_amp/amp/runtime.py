@@ -71,6 +71,8 @@ class AmpRuntime:
         combine_grad, fused_update: as :class:`~lightning_amp.amp.step.OptimizerStep`.
         device_type: where the model computes ("cpu", "cuda", ...); None: "cuda" when available, else "cpu".
         warn: how warnings are issued (the Lightning plugins pass a rank-zero warn).
+        scaler_keywords_for_dynamic_only: the dynamic-scaler keywords configure the dynamic levels this runtime may
+            change to (:meth:`change_level`, the precision ladder): with a static scale they are kept, not refused.
 
     Raises ValueError naming the argument for any invalid option, at construction.
     """
@@ -81,7 +83,7 @@ class AmpRuntime:
                  half_buffers: Optional[bool] = None, norm_policy: Optional[str] = None,
                  scaler_kwargs: Optional[Dict[str, Any]] = None, combine_grad: bool = False,
                  fused_update: bool = True, device_type: Optional[str] = None,
-                 warn: Callable[[str], Any] = warnings.warn) -> None:
+                 warn: Callable[[str], Any] = warnings.warn, scaler_keywords_for_dynamic_only: bool = False) -> None:
         for name, value in (("combine_grad", combine_grad), ("fused_update", fused_update)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False; got {value!r}")
@@ -95,6 +97,7 @@ class AmpRuntime:
                                             norm_policy=norm_policy)
         self.scaler_kwargs: Dict[str, Any] = {**SCALER_DEFAULTS, **(scaler_kwargs or {})}
         self.combine_grad, self.fused_update, self.warn = combine_grad, fused_update, warn
+        self.scaler_keywords_for_dynamic_only = scaler_keywords_for_dynamic_only
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         self.properties = self._resolve(self.device_type)
         self.engine = AmpEngine(self.new_scaler, self.check_optimizer, combine_grad, fused_update, warn=warn)
@@ -108,7 +111,8 @@ class AmpRuntime:
     def _resolve(self, device_type: str) -> AmpProperties:
         props = resolve_properties(**self.request, device_type=device_type)
         LossScaler(props.loss_scale, **self.scaler_kwargs)  # validates the scaler keywords now
-        check_scaler_keywords(props, self.request["loss_scale"], self.scaler_kwargs, self.warn)
+        if not self.scaler_keywords_for_dynamic_only:
+            check_scaler_keywords(props, self.request["loss_scale"], self.scaler_kwargs, self.warn)
         return props
 
     def resolve_for(self, device_type: str) -> None:
@@ -181,6 +185,31 @@ class AmpRuntime:
         if module is not None:
             release_module_(module, self.properties)
         self._release_policy()
+
+    def change_level(self, opt_level: str, loss_scale: Optional[LossScaleSpec]) -> None:
+        """Go on at another level that keeps fp32 Parameters (O0, O1, O2: no new Parameters, the optimizers keep
+        theirs): the prepared model is released and prepared again at the new level (its forward context and O2's
+        op policy hold follow), and every optimizer gets a fresh scaler at ``loss_scale`` (:meth:`AmpEngine.restart`).
+        ValueError (nothing changed) when the other options do not fit the new level."""
+        old_props, old_request = self.properties, dict(self.request)
+        self.request.update(opt_level=opt_level, loss_scale=loss_scale)
+        try:
+            props = self._resolve(self.device_type)
+        except ValueError:
+            self.request = old_request
+            raise
+        if props.cast_model and not props.fp32_params or old_props.cast_model and not old_props.fp32_params:
+            self.request = old_request
+            raise ValueError(f"change_level: {old_props.opt_level} -> {props.opt_level} would change the Parameters' "
+                             "dtype; allowed levels: O0, O1, O2 (fp32 Parameters)")
+        module, hold = self.module, not self._policy_per_forward
+        if module is not None:
+            release_module_(module, old_props)
+        self._release_policy()
+        self.properties = props
+        if module is not None:
+            self.prepare(module, hold_policy=hold)
+        self.engine.restart()
 
     def _release_policy(self) -> None:
         if self._policy is not None:

@@ -25,6 +25,10 @@
 * Strategies: under ``strategy="tp_fused"`` (:mod:`lightning_amp.fabric.strategy`) the strategy sets
   ``prepared_by_strategy`` and calls :meth:`FabricAmpPrecision.prepare` after converting the model's layers; under DeepSpeed, ``fabric.setup`` raises TypeError before anything
   is cast (:mod:`lightning_amp.unsupported`).
+* ``opt_level="auto"`` (``FabricAmpAutoPrecision``): the ladder (:mod:`lightning_amp.amp.ladder`) snapshots
+  before and decides after each step of the first optimizer; a rollback restores the model, the optimizers
+  and what ``plugin.rollback_extras`` holds (LR schedulers: Fabric does not show them to the plugin). The
+  loss-spike rule reads what ``plugin.ladder.log_loss(loss)`` is given (Fabric has no logging steps).
 * LR schedulers: Fabric does not see them; call :func:`~lightning_amp.amp.gate.make_scheduler_skip_aware`
   on a per-step scheduler so that it does not advance on skipped steps.
 """
@@ -65,6 +69,12 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
     #: True while a strategy that converts the model's layers first (``tp_fused``) has taken the model's
     #: preparation over: ``convert_module`` then leaves the model alone and the strategy calls :meth:`prepare`
     prepared_by_strategy = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: with "auto": more objects a rollback restores (name -> object with ``state_dict``/``load_state_dict``),
+        #: e.g. ``{"scheduler": scheduler}``: Fabric does not show its precision plugin the LR schedulers
+        self.rollback_extras: Dict[str, Any] = {}
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -135,16 +145,28 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
             self.amp.scale_loss(tensor).backward(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """``optimizer.step()``: unscale, agree on inf/nan across ranks, step or skip on the device."""
+        """``optimizer.step()``: unscale, agree on inf/nan across ranks, step or skip on the device (with "auto",
+        the ladder's snapshot before and its decision after the first optimizer's step)."""
         state = self._state(optimizer)
         if isinstance(state.optimizer, LBFGS):  # allowed only without scaling: needs its closure
             return state.optimizer.step(**kwargs)
+        laddered = self.ladder is not None and state is self.amp.engine.states[0]
+        if laddered:
+            self.ladder.before_step(self.amp, self._ladder_objects)
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
         if closure is not None:  # handed on already run, as Fabric's own precisions pass it to optimizer.step
             kwargs["closure"] = lambda: result
         self.amp.step(state.optimizer, **kwargs)
+        if laddered:
+            self.ladder.after_step(self.amp, self._ladder_objects)
         return result
+
+    def _ladder_objects(self) -> Dict[str, Any]:
+        """What a ladder's rollback restores: the model, every optimizer seen, and :attr:`rollback_extras`."""
+        objects = self.ladder_objects(self.amp.module, [s.optimizer for s in self.amp.engine.states], [])
+        objects.update(self.rollback_extras)
+        return objects
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Divide ``optimizer``'s grads by their loss scale now (``fabric.clip_gradients`` calls this first)."""
@@ -192,7 +214,8 @@ def _calling_fabric_strategy() -> Optional[Any]:
     return None
 
 
-level_classes(FabricAmpPrecision, globals())  # FabricAmpO0Precision .. FabricAmpO3Precision
+level_classes(FabricAmpPrecision, globals())  # FabricAmpO0Precision .. FabricAmpO3Precision, FabricAmpAutoPrecision
+FabricAmpAutoPrecision: type[FabricAmpPrecision]
 FabricAmpO0Precision: type[FabricAmpPrecision]
 FabricAmpO1Precision: type[FabricAmpPrecision]
 FabricAmpO2Precision: type[FabricAmpPrecision]

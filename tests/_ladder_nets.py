@@ -1,0 +1,48 @@
+"""Models that fail on the upper rungs of the float16 ladder, on the CPU, for the ``opt_level="auto"`` tests.
+
+* :class:`GainSum`: an fp32 gain Parameter times a half activation, then an unnormalised sum. O1 promotes the
+  product to fp32 (torch's type promotion), O2's op policy casts the Parameter to half, where the sum
+  overflows: O2 diverges (every step non-finite) where O1 trains.
+* :class:`BigGradNet`: an unnormalised squared-error loss whose gradient (about 1000 per output) times a
+  static scale of 128 overflows float16 in the half backward at O1 and O2; a dynamic scale backs off and trains.
+
+Every batch is the same full batch (:func:`full_batch`), so a run rolled back to its start and continued for
+``n`` steps equals a run of ``n`` steps on the rung it moved to, bit for bit.
+"""
+import torch
+from torch import nn
+
+
+class GainSum(nn.Module):
+    def __init__(self, gain: float = 3000.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.gain = nn.Parameter(torch.full((64,), gain))
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc(x)) * self.gain
+        return self.head(h.sum(-1, keepdim=True) * 1e-5)
+
+    @staticmethod
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out.float(), y)
+
+
+class BigGradNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+    @staticmethod
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return 50.0 * (out.float() - 10.0 * y).pow(2).sum()
+
+
+def full_batch(seed: int = 0):
+    """(x, y): 32 fresh random samples, inputs in [1, 2), targets in [0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(32, 16, generator=gen) + 1.0, torch.rand(32, 1, generator=gen)

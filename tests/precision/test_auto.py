@@ -1,0 +1,160 @@
+"""``AmpPrecision(opt_level="auto")`` under the Trainer (CPU, float16): the ladder moves, rolls back, logs and resumes."""
+import contextlib
+import csv
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from _ladder_nets import BigGradNet, GainSum, full_batch
+from _lightning import quiet_lightning
+from lightning_amp import AmpAutoPlugin, AmpPrecision, LadderRules
+
+RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2)
+
+
+class LitNet(L.LightningModule):
+    def __init__(self, net_cls):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = net_cls()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.net.loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.97 ** step)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):  # one full batch per epoch: every step sees the same batch
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*full_batch()), batch_size=32)
+
+
+def _fit(net_cls, plugin, steps, ckpt_path=None, quiet=True, **trainer_kwargs):
+    model = LitNet(net_cls)
+    options = dict(logger=False, enable_checkpointing=False)
+    options.update(trainer_kwargs)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=steps, plugins=[plugin], enable_progress_bar=False,
+                        enable_model_summary=False, **options)
+    with quiet_lightning() if quiet else contextlib.nullcontext():
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def _assert_same_weights(got, want):
+    for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("net_cls, working", [(GainSum, ("O1", 128.0)), (BigGradNet, ("O1", "dynamic"))])
+def test_auto_equals_the_manual_ladders_working_rung(flag_timing, net_cls, working):
+    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    auto, trainer = _fit(net_cls, plugin, 24)
+    ladder = plugin.ladder
+    assert tuple(ladder.rung) == working and plugin.properties.opt_level == "O1"
+    assert ladder.snapshot_step == 0 and 3 * ladder.changes <= ladder.moved_at <= 5 * ladder.changes
+    manual, manual_trainer = _fit(net_cls, AmpPrecision("O1", dtype="float16", loss_scale=working[1]),
+                                  24 - ladder.moved_at)
+    _assert_same_weights(auto, manual)  # rolled back to the start, then the working rung's own run
+    last_epoch = [t.lr_scheduler_configs[0].scheduler.state_dict()["last_epoch"] for t in (trainer, manual_trainer)]
+    assert last_epoch[0] == last_epoch[1] > 0
+
+
+def test_the_move_warns_with_rule_step_params_and_rungs(flag_timing):
+    plugin = AmpPrecision("auto", dtype="float16", ladder_rules=RULES)
+    with pytest.warns(UserWarning, match=r"ladder: nonfinite_in_a_row: non-finite grads on 3 steps in a row .* at step "
+                                         r"\d; rolled back to step 0 and moved from rung 0 \(O2/128.0\) to rung 1 "
+                                         r"\(O1/128.0\); non-finite grads last in: .*gain"):
+        _fit(GainSum, plugin, 6, quiet=False)
+
+
+def test_a_run_that_never_diverges_is_plain_o2_bit_for_bit(flag_timing):
+    auto_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    auto, _ = _fit(lambda: GainSum(gain=1.0), auto_plugin, 8)
+    plain, _ = _fit(lambda: GainSum(gain=1.0), AmpPrecision("O2", dtype="float16", loss_scale=128.0), 8)
+    assert auto_plugin.ladder.changes == 0 and auto_plugin.ladder.snapshots.good.step == 4
+    _assert_same_weights(auto, plain)
+
+
+def test_level_and_rung_changes_are_logged(tmp_path):
+    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    _fit(GainSum, plugin, 8, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)
+    rows = [row for row in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if row.get("amp/level")]
+    levels = [float(row["amp/level"]) for row in rows]
+    changes = [float(row["amp/rung_changes"]) for row in rows]
+    assert levels[:3] == [2.0] * 3 and levels[-1] == 1.0 and changes[0] == 0.0 and changes[-1] == 1.0
+
+
+def test_resume_after_a_move_continues_on_its_rung_and_says_so(tmp_path, flag_timing):
+    straight_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    straight, _ = _fit(GainSum, straight_plugin, 12)
+    first_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    _, trainer = _fit(GainSum, first_plugin, 8)
+    assert first_plugin.ladder.changes == 1
+    path = tmp_path / "after-move.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["AmpAutoPlugin"]["ladder"]
+    assert saved["rung"] == 1 and saved["reason"].startswith("nonfinite_in_a_row") and saved["snapshot_step"] == 0
+    resumed_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    with pytest.warns(UserWarning, match=r"ladder: resuming on rung 1 \(O1/128.0\), reached at step \d after "
+                                         r"nonfinite_in_a_row"):
+        resumed, _ = _fit(GainSum, resumed_plugin, 12, ckpt_path=path, quiet=False)
+    assert resumed_plugin.properties.opt_level == "O1" and resumed_plugin.loss_scale == 128.0
+    _assert_same_weights(resumed, straight)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(opt_level="auto", loss_scale=128.0), r"`loss_scale` is set per rung"),
+    (dict(opt_level="O2", ladder=["O2", "O1"]), r"`ladder` and `ladder_rules` are for opt_level=\"auto\""),
+    (dict(opt_level="auto", ladder=[]), r"`ladder` must be a non-empty list"),
+    (dict(opt_level="auto", dtype="bfloat16", ladder=[("O2", 128.0)]), r"bfloat16 rung takes no loss scale"),
+    (dict(opt_level="auto", dtype="float16", ladder=["O2", "O1"], half_buffers=True), r"`ladder\[1\]`.*does not fit"),
+])
+def test_bad_auto_options_are_value_errors_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AmpPrecision(**kwargs)
+
+
+def test_bf16_default_ladder():
+    plugin = AmpAutoPlugin(dtype="bfloat16")
+    assert [tuple(r) for r in plugin.ladder.rungs] == [("O2", None), ("O1", None), ("O0", None)]
+    assert plugin.properties.opt_level == "O2" and plugin.loss_scale == 1.0
+
+
+class SpikesAtO2(LitNet):
+    """GainSum(gain=1) trains at every rung; at O2 its loss is multiplied by 100 from step 6 on (finite grads, no
+    skipped step): only the loss-spike rule can see it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        at_o2 = self.trainer.precision_plugin.properties.opt_level == "O2"
+        return loss * 100.0 if at_o2 and self.trainer.global_step >= 6 else loss
+
+
+def test_a_loss_spike_on_logged_steps_moves_the_run(flag_timing, tmp_path):
+    rules = LadderRules(spike_factor=10.0, spike_steps=2, spike_history=4, snapshot_every=4)
+    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=rules)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=12, plugins=[plugin], logger=CSVLogger(tmp_path, name="spike"),
+                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with quiet_lightning():
+        trainer.fit(SpikesAtO2(lambda: GainSum(gain=1.0)))
+    ladder = plugin.ladder
+    assert ladder.changes == 1 and tuple(ladder.rung) == ("O1", 128.0) and plugin.skipped_steps == 0
+    assert ladder.reason.startswith("spike_factor: logged loss spiked on 2 logged steps in a row")
+    # spikes logged at steps 7 and 8; the candidate of step 4 was not promoted at step 8 (a spike was under way
+    # then), so the rollback point is still the start
+    assert ladder.moved_at == 8 and ladder.snapshot_step == 0
+
+
+def test_dynamic_scaler_keywords_configure_the_dynamic_rung(flag_timing):
+    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES, init_scale=2.0**9, growth_interval=4)
+    assert plugin.loss_scale == 128.0  # the first rung's static scale
+    auto, _ = _fit(BigGradNet, plugin, 20)
+    assert tuple(plugin.ladder.rung) == ("O1", "dynamic") and plugin.scalers[0].growth_interval == 4
+    manual, _ = _fit(BigGradNet, AmpPrecision("O1", dtype="float16", init_scale=2.0**9, growth_interval=4),
+                     20 - plugin.ladder.moved_at)
+    _assert_same_weights(auto, manual)
