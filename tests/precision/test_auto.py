@@ -134,9 +134,11 @@ class SpikesAtO2(LitNet):
         return loss * 100.0 if at_o2 and self.trainer.global_step >= 6 else loss
 
 
-def test_a_loss_spike_on_logged_steps_moves_the_run(flag_timing, tmp_path):
+@pytest.mark.parametrize("log_metrics", [True, False])
+def test_a_loss_spike_on_logged_steps_moves_the_run(flag_timing, tmp_path, log_metrics):
+    """The spike rule reads the loss on the logging steps whether or not the amp/* metrics are logged."""
     rules = LadderRules(spike_factor=10.0, spike_steps=2, spike_history=4, snapshot_every=4)
-    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=rules)
+    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=rules, log_metrics=log_metrics)
     trainer = L.Trainer(accelerator="cpu", max_epochs=12, plugins=[plugin], logger=CSVLogger(tmp_path, name="spike"),
                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -148,6 +150,7 @@ def test_a_loss_spike_on_logged_steps_moves_the_run(flag_timing, tmp_path):
     # spikes logged at steps 7 and 8; the candidate of step 4 was not promoted at step 8 (a spike was under way
     # then), so the rollback point is still the start
     assert ladder.moved_at == 8 and ladder.snapshot_step == 0
+    assert ("amp/level" in trainer.logged_metrics) is log_metrics
 
 
 def test_dynamic_scaler_keywords_configure_the_dynamic_rung(flag_timing):
