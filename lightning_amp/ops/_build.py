@@ -107,10 +107,12 @@ def wants_cuda(root: str) -> bool:
     """CUDA kernels are built when torch is a CUDA build, nvcc is found (``CUDA_HOME``) and
     ``LIGHTNING_AMP_CPU_ONLY`` is not ``1``."""
     import torch
-    from torch.utils import cpp_extension
 
-    return (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and has_cuda_sources(root)
-            and os.environ.get("LIGHTNING_AMP_CPU_ONLY") != "1")
+    if torch.version.cuda is None or os.environ.get("LIGHTNING_AMP_CPU_ONLY") == "1" or not has_cuda_sources(root):
+        return False
+    from torch.utils import cpp_extension  # imports setuptools: only where CUDA is in question
+
+    return cpp_extension.CUDA_HOME is not None
 
 
 @dataclass
