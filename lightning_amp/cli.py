@@ -210,17 +210,10 @@ def _info() -> int:
 
 
 def _build_command(force: bool) -> int:
-    root = _build.source_dir()
-    if root is None:
-        print("lightning-amp build: no C++/CUDA sources shipped with this installation", file=sys.stderr)
-        return 1
-    problem = _build.compiler_problem()
-    if problem:
-        print(f"lightning-amp build: {problem}", file=sys.stderr)
-        return 1
-    key = _build.build_key(root)
     try:
-        done = _build.ensure_build(key, lambda folder: _build.compile_extension(root, key, folder), force=force)
+        root = _build.require_source_dir()
+        key = _build.build_key(root)
+        done = _build.build_here(root, key, force=force)
     except (_build.BuildError, OSError) as err:
         print(f"lightning-amp build: {err}", file=sys.stderr)
         return 1

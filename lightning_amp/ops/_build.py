@@ -31,6 +31,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
+class BuildError(RuntimeError):
+    """A first-use build that cannot run or failed; the message says why (and names the log)."""
+
+
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where a wheel carries the sources (setup.py's build_py copies csrc/ there); a source tree has them
 # beside the package.
@@ -47,6 +51,14 @@ def source_dir() -> Optional[str]:
         if os.path.isfile(os.path.join(root, "bindings.cpp")):
             return root
     return None
+
+
+def require_source_dir() -> str:
+    """:func:`source_dir`, or :class:`BuildError` saying where none was found."""
+    root = source_dir()
+    if root is None:
+        raise BuildError(f"no C++/CUDA sources to build from (neither {PACKAGED_SOURCES} nor {TREE_SOURCES} exists)")
+    return root
 
 
 def source_files(root: str) -> list:
@@ -238,10 +250,6 @@ def compiler_problem() -> Optional[str]:
     return None
 
 
-class BuildError(RuntimeError):
-    """A first-use build that failed; the message names the log."""
-
-
 def complete_build(folder: str, key: BuildKey) -> Optional[str]:
     """The library in ``folder`` when the folder is a whole build for ``key``, else None."""
     try:
@@ -387,3 +395,12 @@ def compile_extension(root: str, key: BuildKey, folder: str) -> None:
         with open(log_path, errors="replace") as f:
             tail = " | ".join(line.strip() for line in f.read().splitlines()[-6:] if line.strip())
         raise BuildError(f"building the compiled kernels failed (exit {done.returncode}; log {kept}): {tail}")
+
+
+def build_here(root: str, key: BuildKey, force: bool = False) -> CachedBuild:
+    """The cached build for ``key`` from the sources in ``root``, compiled now if needed (:func:`ensure_build`);
+    :class:`BuildError` when no compiler is found or the build fails."""
+    problem = compiler_problem()
+    if problem:
+        raise BuildError(problem)
+    return ensure_build(key, lambda folder: compile_extension(root, key, folder), force=force)

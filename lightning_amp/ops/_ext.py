@@ -88,23 +88,17 @@ def _import_library(path: str):
 
 def _load_cached():
     """(module, None) or (None, why not): the first-use build for this torch and machine, built now if needed."""
-    root = _build.source_dir()
-    if root is None:
-        return None, (f"no C++/CUDA sources to build from (neither {_build.PACKAGED_SOURCES} nor "
-                      f"{_build.TREE_SOURCES} exists)")
-    key = _build.build_key(root)
-    library = _build.find_build(key)
-    if library is None:
-        if os.environ.get("LIGHTNING_AMP_NO_BUILD") == "1":
-            return None, (f"no cached build for {_build.describe(key)} in {' or '.join(_build.cache_roots())} "
-                          f"(key {key.name}) and LIGHTNING_AMP_NO_BUILD=1")
-        problem = _build.compiler_problem()
-        if problem:
-            return None, problem
-        try:
-            library = _build.ensure_build(key, lambda folder: _build.compile_extension(root, key, folder)).library
-        except (_build.BuildError, OSError) as err:
-            return None, str(err)
+    try:
+        root = _build.require_source_dir()
+        key = _build.build_key(root)
+        library = _build.find_build(key)
+        if library is None:
+            if os.environ.get("LIGHTNING_AMP_NO_BUILD") == "1":
+                return None, (f"no cached build for {_build.describe(key)} in {' or '.join(_build.cache_roots())} "
+                              f"(key {key.name}) and LIGHTNING_AMP_NO_BUILD=1")
+            library = _build.build_here(root, key).library
+    except (_build.BuildError, OSError) as err:
+        return None, str(err)
     try:
         return _import_library(library), None
     except ImportError as err:
