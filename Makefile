@@ -7,8 +7,9 @@ PY     := $(VENV)/bin/python
 # .venv (e.g. a CUDA build on a GPU machine) keeps it. setup.py adds the CUDA kernels when that
 # torch is a CUDA build and nvcc is found (PATH or CUDA_HOME).
 TORCH_SPEC ?= torch==2.13.0
+LITGPT_VERSION := 0.5.13
 STAMP  := $(VENV)/.lightning-amp-installed
-SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h csrc/cuda/*.cpp)
+SOURCES := setup.py pyproject.toml lightning_amp/ops/_build.py $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
 # gpu-check: one command that proves this commit on the GPU present: build (for its compute capability,
@@ -30,10 +31,15 @@ install: $(STAMP)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q setuptools wheel pybind11 ninja
-	# --no-build-isolation: build against the torch in .venv, never pull another torch build.
+	$(PY) -m pip install -q "setuptools>=77" wheel pybind11 ninja
+	# --no-build-isolation: compile now, in place, against the torch in .venv (the development path; an
+	# isolated install compiles nothing and builds at first import instead, see setup.py).
 	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
-	$(PY) -c "import lightning_amp.ops as o; print('lightning_amp backend: cpu', o.backend('cpu'), '/ cuda', o.backend('cuda'))"
+	# litgpt (tests of tp_fused on its GPT) without its pins: they would downgrade transformers and
+	# huggingface_hub; litgpt.model and litgpt.config need only torch and lightning. Offline (a GPU box)
+	# its tests skip; under CI=true a missing litgpt fails them (tests/_optional.py).
+	$(PY) -m pip install -q --no-deps "litgpt==$(LITGPT_VERSION)" || echo "litgpt not installed: its tests will skip"
+	$(PY) -c "import lightning_amp.ops as o; print('lightning_amp backend: cpu', o.backend('cpu'), '/ cuda', o.backend('cuda'), '/', o.extension_origin())"
 	touch $(STAMP)
 
 # LIGHTNING_AMP_REQUIRE_EXT=1: a compiled extension that does not load (or lacks CUDA kernels on a

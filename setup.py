@@ -1,106 +1,110 @@
-"""Builds the compiled core ``lightning_amp._C`` from ``csrc/``.
+"""Builds the package, and the compiled core ``lightning_amp._C`` when a torch is importable here.
 
-CPU kernels are always built. CUDA kernels are added when the installed torch has CUDA and
-``nvcc`` is found (``CUDA_HOME``), unless ``LIGHTNING_AMP_CPU_ONLY=1`` (the CPU kernels only, e.g. to test
-the CPU side against a CUDA build of torch on a machine without a GPU); ``LIGHTNING_AMP_NO_EXT=1`` skips
-the extension entirely (the package then runs on its pure-PyTorch fallbacks).
+The C++/CUDA sources in ``csrc/`` ship in both distributions: the sdist holds ``csrc/`` (MANIFEST.in)
+and the wheel holds a copy as ``lightning_amp/_csrc/`` (``build_py`` below), so the package can build
+its kernels for whatever torch it meets. ``build-system.requires`` names no torch, so pip's default
+isolated build never downloads one:
 
-The CPU kernels use ATen's ``at::vec::Vectorized``. The package is built from source on the
-machine that runs it, so by default they are compiled for the widest vector ISA the build
-machine offers (AVX-512 or AVX2, as ATen's own per-capability kernels are);
-``LIGHTNING_AMP_PORTABLE=1`` builds baseline x86-64 code instead (for a wheel meant to be
-copied to other machines).
+* **isolated build** (``pip install lightning-amp``, ``pip install .``, ``python -m build``): torch is
+  not importable, no extension is compiled, and the first ``import lightning_amp`` builds it for the
+  running torch into a per-user cache (``lightning_amp/ops/_build.py``; ``lightning-amp build`` does it
+  ahead);
+* **build against the installed torch** (``pip install --no-build-isolation``, ``make install``,
+  ``python setup.py build_ext --inplace``): the extension is compiled here, and
+  ``lightning_amp/_C.build.json`` records the torch, CUDA version, C++ ABI and Python it was built for;
+  the loader uses it only under that torch and otherwise builds into the cache.
 
-``LIGHTNING_AMP_OPT`` sets the optimisation flag (default ``-O3``); the CI ABI check, which only
-loads the library, builds with ``-O0`` to save time (unoptimised code references at least the
-torch symbols that optimised code does).
+The build itself (sources, flags, cuBLAS from the nvidia wheels) is described once, in
+``lightning_amp/ops/_build.py``, for both ways. Environment switches:
 
-cuBLAS headers and library come from the CUDA toolkit when it has them; a toolkit that ships
-only nvcc (e.g. a CI machine without a GPU) is completed by the ``nvidia-*`` wheels that the CUDA
-build of torch installed (``site-packages/nvidia/cu13`` or ``nvidia/cublas``). Those headers are
-searched after the toolkit's (``-idirafter``), so the toolkit always wins where it has a header.
+* ``LIGHTNING_AMP_NO_EXT=1`` compiles nothing even when torch is importable;
+* ``LIGHTNING_AMP_CPU_ONLY=1`` builds the CPU kernels only (CUDA kernels are otherwise added when
+  torch is a CUDA build and ``nvcc`` is found, ``CUDA_HOME``), e.g. to test the CPU side against a CUDA
+  build of torch on a machine without a GPU;
+* ``LIGHTNING_AMP_PORTABLE=1`` builds baseline x86-64 code instead of the widest vector ISA of the
+  build machine (AVX-512 or AVX2, as ATen's own per-capability kernels are; for a wheel meant to be
+  copied to other machines);
+* ``LIGHTNING_AMP_OPT`` sets the optimisation flag (default ``-O3``); the CI ABI check, which only loads
+  the library, builds with ``-O0`` to save time (unoptimised code references at least the torch
+  symbols that optimised code does).
+
+cuBLAS headers and library come from the CUDA toolkit when it has them; a toolkit that ships only
+nvcc (e.g. a CI machine without a GPU) is completed by the ``nvidia-*`` wheels that the CUDA build of
+torch installed (``site-packages/nvidia/cu13`` or ``nvidia/cublas``), searched after the toolkit's
+headers (``-idirafter``), so the toolkit always wins where it has a header.
 """
-import glob
 import importlib.util
+import json
 import os
-
-import platform
+import shutil
+import sys
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = "csrc"  # relative: setuptools wants relative source paths
 
 
-def _cpu_vector_flags():
-    """Compiler flags selecting ATen's vector implementation for the build machine's CPU."""
-    if os.environ.get("LIGHTNING_AMP_PORTABLE") == "1" or platform.machine() not in ("x86_64", "AMD64"):
-        return []
-    try:
-        with open("/proc/cpuinfo") as f:
-            words = set(f.read().split())
-    except OSError:
-        return []
-    # ATen's Vectorized<Half>/<BFloat16> convert through F16C intrinsics in both vector paths (as
-    # ATen's own AVX2/AVX512 kernels are built with -mf16c): without the flag GCC refuses to inline them.
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= words:
-        isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
-        return isa + ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if {"avx2", "fma", "f16c"} <= words:
-        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return []
+def _load_build_module():
+    """lightning_amp/ops/_build.py, loaded by path: importing the package would import torch and Lightning."""
+    spec = importlib.util.spec_from_file_location("_lightning_amp_build", os.path.join(HERE, "lightning_amp", "ops",
+                                                                                          "_build.py"))
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+    spec.loader.exec_module(module)
+    return module
 
 
-def _nvidia_wheel_cublas(cuda_home):
-    """(include dir, library dir, soname) of cuBLAS from torch's nvidia wheels, or None when
-    the toolkit at cuda_home has cuBLAS itself (or no wheel provides it)."""
-    if os.path.exists(os.path.join(cuda_home, "include", "cublas_v2.h")):
-        return None
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for sub in ("cu13", "cu12", "cublas"):
-            inc, lib = os.path.join(root, sub, "include"), os.path.join(root, sub, "lib")
-            libs = sorted(glob.glob(os.path.join(lib, "libcublas.so.*")))
-            if os.path.exists(os.path.join(inc, "cublas_v2.h")) and libs:
-                return inc, lib, os.path.basename(libs[0])
-    return None
+_build = _load_build_module()
+
+
+class BuildPyWithSources(build_py):
+    """Also copies ``csrc/`` into the built package as ``lightning_amp/_csrc/``, what a first-use build compiles."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "lightning_amp", "_csrc")
+        shutil.rmtree(target, ignore_errors=True)
+        for rel in _build.source_files(SOURCES):
+            os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
+            shutil.copyfile(os.path.join(SOURCES, rel), os.path.join(target, rel))
 
 
 def _extensions():
-    if os.environ.get("LIGHTNING_AMP_NO_EXT") == "1":
+    if os.environ.get("LIGHTNING_AMP_NO_EXT") == "1" or not _build.source_files(SOURCES):
         return [], {}
-    import torch
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("setup.py: no torch importable (an isolated build): lightning_amp._C is not compiled now; the first "
+              "`import lightning_amp` builds it for the torch it runs with (or run `lightning-amp build`)")
+        return [], {}
     from torch.utils import cpp_extension
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
-    if not sources:
-        return [], {}
-    with_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and bool(cuda_sources)
-                 and os.environ.get("LIGHTNING_AMP_CPU_ONLY") != "1")
-    opt = os.environ.get("LIGHTNING_AMP_OPT", "-O3")
-    cxx = [opt, "-std=c++17", "-fopenmp"] + _cpu_vector_flags()
-    include_dirs = [os.path.join(here, "csrc")]
-    if with_cuda:
-        # No --use_fast_math: the inf/nan checks of the multi-tensor kernels must see inf and nan.
-        nvcc = [opt, "-std=c++17"]
-        link = {"libraries": ["cublas"]}
-        wheel = _nvidia_wheel_cublas(cpp_extension.CUDA_HOME)
-        if wheel is not None:
-            inc, lib, soname = wheel
-            cxx = cxx + ["-idirafter", inc]
-            nvcc = nvcc + ["-Xcompiler", f"-idirafter{inc}"]
-            link = {"library_dirs": [lib], "extra_link_args": [f"-l:{soname}"]}
-        ext = cpp_extension.CUDAExtension(
-            "lightning_amp._C",
-            sources + cuda_sources,
-            include_dirs=include_dirs,
-            define_macros=[("WITH_CUDA", None)],
-            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-            **link,
-        )
+    options = _build.build_options(SOURCES, _build.wants_cuda(SOURCES))
+    sources = options.sources  # relative, as SOURCES is
+    include_dirs = [os.path.join(HERE, d) for d in options.include_dirs]
+    link = dict(libraries=options.libraries, library_dirs=options.library_dirs,
+                extra_link_args=options.extra_link_args)
+    if options.with_cuda:
+        ext = cpp_extension.CUDAExtension("lightning_amp._C", sources, include_dirs=include_dirs,
+                                          define_macros=[("WITH_CUDA", None)],
+                                          extra_compile_args={"cxx": options.cxx, "nvcc": options.nvcc}, **link)
     else:
-        ext = cpp_extension.CppExtension("lightning_amp._C", sources, include_dirs=include_dirs, extra_compile_args=cxx)
-    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+        ext = cpp_extension.CppExtension("lightning_amp._C", sources, include_dirs=include_dirs,
+                                         extra_compile_args=options.cxx)
+
+    class BuildExtWithRecord(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+        """Writes ``_C.build.json`` beside the built extension: the runtime it was built for."""
+
+        def run(self):
+            super().run()
+            record = {**_build.runtime_identity(), "with_cuda": options.with_cuda}
+            with open(os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), _build.BUILD_RECORD), "w") as f:
+                json.dump(record, f, indent=1)
+
+    return [ext], {"build_ext": BuildExtWithRecord}
 
 
 ext_modules, cmdclass = _extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(ext_modules=ext_modules, cmdclass={"build_py": BuildPyWithSources, **cmdclass})

@@ -1,5 +1,7 @@
 """lightning-amp: Apex-style mixed precision, fused optimizers and fused tensor parallelism for Lightning."""
-__version__ = "0.1.0"
+from lightning_amp._version import version as _version
+
+__version__ = _version()
 
 from lightning_amp.amp.casts import (  # noqa: E402
     float_function,

@@ -4,6 +4,7 @@
                         [--dtype auto] [--accelerator auto|cpu|cuda] [--steps N] [--size tiny|small|base]
                         [--batch-size N] [--optimizer example|fused-adam] [--out DIR] [--quick]
     lightning-amp info
+    lightning-amp build [--force]
     lightning-amp --version
 
 ``bench`` trains each example model at each level (lightning-amp's O0-O3 and Lightning's own
@@ -14,6 +15,10 @@ writes DIR/bench.json, DIR/bench.png and DIR/bench.md. Defaults depend on the de
 CPU, BERT-base at batch 256 (and the others GPU-sized) on CUDA. Names (levels, models, dtype, ...)
 are case-insensitive. Bad arguments exit with status 2 and the command's usage (an unknown flag with
 the closest known one).
+
+``build`` compiles the kernels for the running torch into the per-user cache ahead of first use (for a
+Docker image or an offline cluster; ``LIGHTNING_AMP_CACHE_DIR`` chooses the folder); exit status 1 when
+the build fails. ``info`` says which build of the compiled core loaded and from where, or why none did.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from lightning_amp.bench.models import MODELS, SIZES
 from lightning_amp.bench.optimizers import OPTIMIZERS
 from lightning_amp.bench.runner import DEFAULT_WARMUP
 from lightning_amp.bench.worker import ACCELERATORS, DTYPES, LEVELS
+from lightning_amp.ops import _build
 
 MODEL_NAMES = tuple(MODELS)
 QUICK = dict(size="tiny", steps=3, warmup=1)
@@ -37,6 +43,7 @@ EXAMPLES = """examples:
   lightning-amp bench --quick                        # smoke run: tiny models, six levels, 1 warm-up + 3 timed steps
   lightning-amp bench --models bert --levels fp32,bf16-mixed,O2 --steps 50 --out bench-out
   lightning-amp info                                 # versions, compiled backend, bf16 instructions of this CPU
+  lightning-amp build                                # compile the kernels for this torch now, not at first import
 """
 
 
@@ -90,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-amp", description="lightning-amp command line tools",
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"lightning-amp {lightning_amp.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{bench,info}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{bench,info,build}")
 
     bench = commands.add_parser("bench", help="time and memory of the example models at each precision level",
                                 description=__doc__.split("\n\n")[2])
@@ -128,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="versions, compiled backend and bf16 support of this machine")
     info.set_defaults(command_parser=info)
+    build = commands.add_parser("build", help="compile the kernels for the running torch into the per-user cache now",
+                                description=__doc__.split("\n\n")[3])
+    build.add_argument("--force", action="store_true", help="rebuild even when the cache holds a build")
+    build.set_defaults(command_parser=build)
     return parser
 
 
@@ -180,9 +191,10 @@ def _info() -> int:
 
     print(f"lightning-amp {lightning_amp.__version__}, torch {torch.__version__}, lightning {lightning.__version__}")
     if ops.extension_error() is None:
-        print(f"compiled extension: loaded from {ops.extension_path()}")
+        print(f"compiled extension: loaded from {ops.extension_path()} ({ops.extension_origin()})")
     else:
         print(f"compiled extension: NOT in use: {ops.extension_error()}")
+    print(f"first-use build cache: {_build.default_cache_root()} (LIGHTNING_AMP_CACHE_DIR)")
     print(f"cpu backend: {ops.backend('cpu')}; cpu threads: {torch.get_num_threads()}; "
           f"cpu bf16 instructions: {cpu_bf16_flags()}")
     if ops.backend("cpu") == "cpu-ext":
@@ -197,6 +209,18 @@ def _info() -> int:
     return 0
 
 
+def _build_command(force: bool) -> int:
+    try:
+        root = _build.require_source_dir()
+        key = _build.build_key(root)
+        done = _build.build_here(root, key, force=force)
+    except (_build.BuildError, OSError) as err:
+        print(f"lightning-amp build: {err}", file=sys.stderr)
+        return 1
+    print(f"{'built' if done.built else 'already built'}: {done.library} for {_build.describe(key)}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``lightning-amp`` console script; returns the exit status."""
     parser = build_parser()
@@ -207,6 +231,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "bench":
         return _bench(args, args.command_parser)
+    if args.command == "build":
+        return _build_command(args.force)
     return _info()
 
 

@@ -10,6 +10,9 @@ Environment switches (read once, at import):
   it wins over the next one.
 * ``LIGHTNING_AMP_REQUIRE_EXT=1`` turns the fallback into an ImportError: the extension must
   load, and must have CUDA kernels when torch sees a CUDA device (CI and GPU checks set it).
+* ``LIGHTNING_AMP_NO_BUILD=1``: load a prebuilt or cached build only, never compile at import
+  (where no prebuilt extension matches the running torch, the first import otherwise builds one into
+  the per-user cache, :mod:`._build`: ``LIGHTNING_AMP_CACHE_DIR``, default ``~/.cache/lightning_amp``).
 * ``LIGHTNING_AMP_WGRAD_CPU_GEMM=auto|onednn|mkl|aten`` pins the CPU GEMM path of
   :func:`wgrad_gemm_accum_fp32` for 16-bit operands (default ``auto``: measured once per process);
   any other value is a ValueError naming the variable.
@@ -39,7 +42,8 @@ can compare both.
 
 Layout of the package (everything public is re-exported here):
 
-* :mod:`._ext`: loading the extension, the switches, :func:`backend`;
+* :mod:`._ext`: loading the extension (prebuilt, else a first-use build), the switches, :func:`backend`;
+* :mod:`._build`: what a build is made of and for, the per-user cache of first-use builds;
 * :mod:`._library`: the compiled kernels as torch.library operators ``torch.ops.lightning_amp.*``
   (schemas with their writes declared, fake kernels), so ``torch.compile`` traces through them;
   their arguments are checked in C++ only. ``_library.run`` calls the operator under a trace or a
@@ -65,6 +69,7 @@ from ._ext import (
     backend,
     extension_error,
     extension_module,
+    extension_origin,
     extension_path,
     wgrad_cpu_gemm,
 )
@@ -108,7 +113,7 @@ from .wgrad import (
 )
 
 __all__ = [
-    "backend", "extension_error", "extension_module", "extension_path", "local_shards", "multi_tensor_adadelta",
+    "backend", "extension_error", "extension_module", "extension_origin", "extension_path", "local_shards", "multi_tensor_adadelta",
     "multi_tensor_adam", "multi_tensor_check_finite", "multi_tensor_l2norm", "multi_tensor_lamb",
     "multi_tensor_scale", "multi_tensor_sgd", "wgrad_cpu_gemm", "wgrad_gemm_accum_fp16", "wgrad_gemm_accum_fp32",
 ]

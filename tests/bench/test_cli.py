@@ -434,3 +434,25 @@ def test_bench_json_is_strict_even_when_a_loss_diverged(tmp_path):
     loaded = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-strict JSON constant {name}"))
     assert loaded["run"] == {"commit": "abc"}
     assert loaded["records"][0]["final_loss"] is None and loaded["records"][0]["loss_curve"] == [1.0, None]
+
+
+def test_build_reports_the_cached_build_and_a_missing_compiler(tmp_path, monkeypatch, capsys):
+    """`lightning-amp build` finds a whole build of this torch's key in the cache without compiling (exit 0),
+    and without a compiler exits 1 naming it."""
+    import json
+
+    from lightning_amp.ops import _build
+
+    monkeypatch.setenv("LIGHTNING_AMP_CACHE_DIR", str(tmp_path))
+    key = _build.build_key(_build.source_dir())
+    folder = tmp_path / key.name
+    folder.mkdir()
+    (folder / _build.LIBRARY).write_text("stands for the library")
+    (folder / "build.json").write_text(json.dumps({"key": key.name}))
+    assert cli.main(["build"]) == 0
+    assert capsys.readouterr().out == f"already built: {folder / _build.LIBRARY} for {_build.describe(key)}\n"
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert cli.main(["build", "--force"]) == 1
+    assert "lightning-amp build: no C++ compiler found (CXX='/nonexistent/c++' is not on PATH)" in capsys.readouterr().err
+    assert cli.main(["info"]) == 0
+    assert f"first-use build cache: {tmp_path} (LIGHTNING_AMP_CACHE_DIR)" in capsys.readouterr().out

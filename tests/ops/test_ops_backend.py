@@ -122,7 +122,15 @@ def test_disable_env_var_is_read_at_import(monkeypatch):
     assert "LIGHTNING_AMP_DISABLE_EXT" in probe.extension_error()
 
 
-def test_built_but_unloadable_extension_is_loud(monkeypatch, capsys):
+def _no_first_use_build(monkeypatch, tmp_path):
+    """The loader's next resort after the package's own _C, a first-use build, finds an empty cache and
+    may not compile (LIGHTNING_AMP_NO_BUILD=1; tests/ops/test_ops_build.py covers that path)."""
+    monkeypatch.setenv("LIGHTNING_AMP_NO_BUILD", "1")
+    monkeypatch.setenv("LIGHTNING_AMP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+
+
+def test_built_but_unloadable_extension_is_loud(monkeypatch, capsys, tmp_path):
     """An extension file that exists but does not load: the warning and `lightning-amp info` carry
     the loader's error; LIGHTNING_AMP_REQUIRE_EXT=1 turns it into an ImportError."""
     import lightning_amp
@@ -130,6 +138,7 @@ def test_built_but_unloadable_extension_is_loud(monkeypatch, capsys):
 
     monkeypatch.delenv("LIGHTNING_AMP_DISABLE_EXT", raising=False)
     monkeypatch.delenv("LIGHTNING_AMP_REQUIRE_EXT", raising=False)
+    _no_first_use_build(monkeypatch, tmp_path)
     monkeypatch.setitem(sys.modules, "lightning_amp._C", None)  # the import fails as a bad .so would
     monkeypatch.delattr(lightning_amp, "_C", raising=False)
     monkeypatch.setattr(glob, "glob", lambda pattern: ["/pkg/lightning_amp/_C.cpython-311-x86_64-linux-gnu.so"]
@@ -161,7 +170,8 @@ def test_require_env_var_fails_import_of_the_package(tmp_path):
         else:
             raise SystemExit("imported without the extension")
     """
-    _run(code, tmp_path, LIGHTNING_AMP_REQUIRE_EXT="1", LIGHTNING_AMP_DISABLE_EXT="0")
+    _run(code, tmp_path, LIGHTNING_AMP_REQUIRE_EXT="1", LIGHTNING_AMP_DISABLE_EXT="0", LIGHTNING_AMP_NO_BUILD="1",
+         LIGHTNING_AMP_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp_path))
 
 
 def test_info_names_the_loaded_extension(capsys):
@@ -170,16 +180,17 @@ def test_info_names_the_loaded_extension(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     if EXT is not None:
-        assert f"compiled extension: loaded from {EXT.__file__}" in out
+        assert f"compiled extension: loaded from {EXT.__file__} ({ops.extension_origin()})" in out
     else:
         assert f"compiled extension: NOT in use: {ops.extension_error()}" in out
 
 
-def test_missing_extension_warns_once_and_ops_still_work(monkeypatch):
+def test_missing_extension_warns_once_and_ops_still_work(monkeypatch, tmp_path):
     import lightning_amp
 
     monkeypatch.delenv("LIGHTNING_AMP_DISABLE_EXT", raising=False)
     monkeypatch.delenv("LIGHTNING_AMP_REQUIRE_EXT", raising=False)
+    _no_first_use_build(monkeypatch, tmp_path)
     monkeypatch.setitem(sys.modules, "lightning_amp._C", None)  # `from lightning_amp import _C` -> ImportError
     monkeypatch.delattr(lightning_amp, "_C", raising=False)
     monkeypatch.setattr(glob, "glob", lambda pattern: [])  # no file: "not built"
