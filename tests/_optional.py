@@ -27,5 +27,5 @@ def require(module: str):
             return importlib.import_module(module)
         except ImportError as error:
             pytest.fail(f"CI=true and the test dependency {module!r} is not importable ({error}); "
-                        "install the dev extras: pip install -e '.[dev]'", pytrace=False)
+                        "make install (pip install --no-deps litgpt==0.5.13 for litgpt)", pytrace=False)
     return pytest.importorskip(module)
