@@ -225,6 +225,7 @@ def test_a_write_killed_midway_leaves_the_good_file_and_its_temp_file_is_ignored
                                            r"\(OSError: No space left"):
         store.take(5, {"model": model})
     monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder-rank0-good.pt"]  # no half file under a real name
     _perturb(model, optimizer)
     assert store.restore({"model": model}) == 0 and torch.equal(model.weight, start)
     SnapshotStore(tmp_path).take(0, {"model": model}, good=True)  # the next run's first snapshot clears them
