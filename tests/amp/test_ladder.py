@@ -210,25 +210,31 @@ def test_a_write_killed_midway_leaves_the_good_file_and_its_temp_file_is_ignored
     start = model.weight.detach().clone()
     store = SnapshotStore(tmp_path)
     store.take(0, {"model": model}, good=True)
-    # a process killed while writing the next good file and a candidate: half-written temp files stay behind
-    for kind in ("good", "candidate"):
-        (tmp_path / f"ladder-rank0-{kind}.pt.tmp").write_bytes(b"PK\x03\x04 half a zip")
+    good_bytes = (tmp_path / "ladder-rank0-good.pt").read_bytes()
+    (tmp_path / "ladder-rank0-good.pt.tmp").write_bytes(b"PK\x03\x04 half a zip")  # an earlier process's killed write
+
+    def dies_midway(error):
+        def save(obj, file, *args, **kwargs):
+            file.write(b"PK\x03\x04 the first bytes")
+            raise error
+        return save
+
     _perturb(model, optimizer)
-    assert store.restore({"model": model}) == 0 and torch.equal(model.weight, start)
-
-    def dies_midway(obj, file, *args, **kwargs):
-        file.write(b"PK\x03\x04 the first bytes")
-        raise OSError("No space left on device")
-
-    monkeypatch.setattr(torch, "save", dies_midway)
+    monkeypatch.setattr(torch, "save", dies_midway(OSError("No space left on device")))  # a write that fails
     with pytest.raises(RuntimeError, match=r"writing the snapshot of step 5 to .*ladder-rank0-candidate.pt.* failed "
                                            r"\(OSError: No space left"):
         store.take(5, {"model": model})
-    monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder-rank0-good.pt"]  # no half file under a real name
-    _perturb(model, optimizer)
+    assert not (tmp_path / "ladder-rank0-candidate.pt.tmp").exists()  # it removes its own temp file
+
+    monkeypatch.setattr(torch, "save", dies_midway(KeyboardInterrupt()))  # no cleanup runs, as under a kill
+    with pytest.raises(KeyboardInterrupt):
+        store.take(5, {"model": model})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ladder-rank0-candidate.pt.tmp", "ladder-rank0-good.pt", "ladder-rank0-good.pt.tmp"]
+    assert (tmp_path / "ladder-rank0-good.pt").read_bytes() == good_bytes  # nothing half-written under a real name
     assert store.restore({"model": model}) == 0 and torch.equal(model.weight, start)
-    SnapshotStore(tmp_path).take(0, {"model": model}, good=True)  # the next run's first snapshot clears them
+    monkeypatch.undo()
+    SnapshotStore(tmp_path).take(0, {"model": model}, good=True)  # the next run's first snapshot clears the rest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder-rank0-good.pt"]
 
 
