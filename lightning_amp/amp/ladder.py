@@ -102,7 +102,7 @@ class AmpLadder:
         self.moved_at: Optional[int] = None  #: the step of the last move
         self.snapshot_step: Optional[int] = None  #: the step the last move rolled back to
         self.steps = 0  #: optimizer steps of the first optimizer so far
-        self.snapshots = SnapshotStore()
+        self.snapshots = SnapshotStore(self.rules.snapshot_dir)
         self._watch = RungWatch(self.rules)
         self._watched: Any = None  # the gate watched
         self._watcher: Optional[Callable[[bool, Optional[Any]], None]] = None  # what it calls
@@ -235,7 +235,7 @@ class AmpLadder:
         self.index, self.changes = int(state["rung"]), int(state["changes"])
         self.reason, self.moved_at, self.snapshot_step = state["reason"], state["moved_at"], state["snapshot_step"]
         self.steps = int(state["steps"])
-        self.snapshots = SnapshotStore()
+        self.snapshots = SnapshotStore(self.rules.snapshot_dir)
         rung = self.rung
         if (runtime.properties.opt_level, runtime.request["loss_scale"]) != (rung.opt_level, rung.loss_scale):
             runtime.change_level(rung.opt_level, rung.loss_scale)

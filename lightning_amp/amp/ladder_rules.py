@@ -23,6 +23,7 @@ from typing import Any, Deque, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from lightning_amp.amp.ladder_snapshot import PathLike, snapshot_dir_path
 from lightning_amp.amp.levels import LossScaleSpec, check_loss_scale
 
 LADDER_LEVELS = ("O0", "O1", "O2")
@@ -103,6 +104,9 @@ class LadderRules:
         snapshot_every: N, optimizer steps between rollback points (>= 1).
         decide_every: several processes only: the ranks agree on the verdict every so many steps (one
             all-reduce each time) and move together (>= 1).
+        snapshot_dir: None: rollback points in host memory; a folder path: in files there, one pair per rank
+            (:mod:`~lightning_amp.amp.ladder_snapshot`); TypeError naming it for a value that is not a path, and
+            the ladder's construction creates the folder (ValueError naming the path if it cannot be written).
     """
 
     nonfinite_in_a_row: Optional[int] = 20
@@ -114,6 +118,7 @@ class LadderRules:
     spike_history: int = 20
     snapshot_every: int = 100
     decide_every: int = 10
+    snapshot_dir: Optional[PathLike] = None
 
     def __post_init__(self) -> None:
         big = 2**62
@@ -127,6 +132,7 @@ class LadderRules:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an integer >= {low}; got {value!r}")
+        snapshot_dir_path(self.snapshot_dir)
 
 
 class RungWatch:

@@ -143,6 +143,130 @@ def test_a_failed_restore_raises():
         store.restore({"model": torch.nn.Linear(4, 2)})
 
 
+def _trained_model_and_adam(seed=0):
+    """A Linear and its Adam with state, from fresh random data."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(5, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(8, 5)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _perturb(model, optimizer):
+    model(torch.randn(8, 5)).square().mean().backward()
+    optimizer.step()  # the weights and Adam's moments move on from the snapshot
+    optimizer.zero_grad()
+
+
+def _flat_state(model, optimizer):
+    state = optimizer.state_dict()["state"]
+    return [t.clone() for t in model.state_dict().values()] + [t.clone() for s in state.values() for t in s.values()]
+
+
+def test_a_snapshot_on_disk_restores_what_the_in_memory_store_restores_bit_for_bit(tmp_path):
+    restored = []
+    for directory in (None, tmp_path / "snaps"):
+        model, optimizer = _trained_model_and_adam()
+        store = SnapshotStore(directory)
+        store.take(0, {"model": model, "optimizer": optimizer}, good=True)
+        _perturb(model, optimizer)
+        store.take(4, {"model": model, "optimizer": optimizer})
+        store.promote()
+        _perturb(model, optimizer)
+        assert store.restore({"model": model, "optimizer": optimizer}) == 4
+        restored.append(_flat_state(model, optimizer))
+        _perturb(model, optimizer)  # training on after a restore does not touch the snapshot
+        store.restore({"model": model, "optimizer": optimizer})
+        assert all(torch.equal(a, b) for a, b in zip(_flat_state(model, optimizer), restored[-1]))
+    in_memory, on_disk = restored
+    assert len(in_memory) == len(on_disk) == 8 and all(torch.equal(a, b) for a, b in zip(in_memory, on_disk))
+    assert store.nbytes == 0 and sorted(p.name for p in (tmp_path / "snaps").iterdir()) == ["ladder-rank0-good.pt"]
+    saved = torch.load(tmp_path / "snaps" / "ladder-rank0-good.pt", weights_only=False)
+    assert saved["step"] == 4 and set(saved["states"]) == {"model", "optimizer"}
+
+
+def test_a_candidate_never_writes_over_the_good_file_and_promotion_renames_it(tmp_path):
+    model, optimizer = _trained_model_and_adam()
+    store = SnapshotStore(tmp_path)
+    store.take(0, {"model": model}, good=True)
+    good_file = tmp_path / "ladder-rank0-good.pt"
+    good_bytes = good_file.read_bytes()
+    _perturb(model, optimizer)
+    store.take(3, {"model": model})
+    assert good_file.read_bytes() == good_bytes and (tmp_path / "ladder-rank0-candidate.pt").exists()
+    store.drop_candidate()
+    assert not (tmp_path / "ladder-rank0-candidate.pt").exists() and good_file.read_bytes() == good_bytes
+    store.take(6, {"model": model})
+    store.promote()
+    assert store.good.step == 6 and not (tmp_path / "ladder-rank0-candidate.pt").exists()
+    assert torch.load(good_file, weights_only=False)["step"] == 6
+
+
+def test_a_write_killed_midway_leaves_the_good_file_and_its_temp_file_is_ignored_then_removed(tmp_path, monkeypatch):
+    model, optimizer = _trained_model_and_adam()
+    start = model.weight.detach().clone()
+    store = SnapshotStore(tmp_path)
+    store.take(0, {"model": model}, good=True)
+    good_bytes = (tmp_path / "ladder-rank0-good.pt").read_bytes()
+    (tmp_path / "ladder-rank0-good.pt.tmp").write_bytes(b"PK\x03\x04 half a zip")  # an earlier process's killed write
+
+    def dies_midway(error):
+        def save(obj, file, *args, **kwargs):
+            file.write(b"PK\x03\x04 the first bytes")
+            raise error
+        return save
+
+    _perturb(model, optimizer)
+    monkeypatch.setattr(torch, "save", dies_midway(OSError("No space left on device")))  # a write that fails
+    with pytest.raises(RuntimeError, match=r"writing the snapshot of step 5 to .*ladder-rank0-candidate.pt.* failed "
+                                           r"\(OSError: No space left"):
+        store.take(5, {"model": model})
+    assert not (tmp_path / "ladder-rank0-candidate.pt.tmp").exists()  # it removes its own temp file
+
+    monkeypatch.setattr(torch, "save", dies_midway(KeyboardInterrupt()))  # no cleanup runs, as under a kill
+    with pytest.raises(KeyboardInterrupt):
+        store.take(5, {"model": model})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ladder-rank0-candidate.pt.tmp", "ladder-rank0-good.pt", "ladder-rank0-good.pt.tmp"]
+    assert (tmp_path / "ladder-rank0-good.pt").read_bytes() == good_bytes  # nothing half-written under a real name
+    assert store.restore({"model": model}) == 0 and torch.equal(model.weight, start)
+    monkeypatch.undo()
+    SnapshotStore(tmp_path).take(0, {"model": model}, good=True)  # the next run's first snapshot clears the rest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder-rank0-good.pt"]
+
+
+def test_snapshot_dir_is_checked_at_construction(tmp_path):
+    with pytest.raises(TypeError, match=r"`snapshot_dir` must be a folder path \(str or os.PathLike\).*got int"):
+        LadderRules(snapshot_dir=3)
+    with pytest.raises(ValueError, match=r"`snapshot_dir` must be a folder path or None; got an empty string"):
+        LadderRules(snapshot_dir="")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match=rf"`snapshot_dir` = '{blocker}/snaps' cannot hold the ladder's snapshots"):
+        AmpLadder(rules=LadderRules(snapshot_dir=blocker / "snaps"))
+    ladder = AmpLadder(rules=LadderRules(snapshot_dir=tmp_path / "new" / "snaps"))
+    assert ladder.snapshots.directory == str(tmp_path / "new" / "snaps") and (tmp_path / "new" / "snaps").is_dir()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing", "another step"])
+def test_a_snapshot_file_that_cannot_be_read_makes_restore_raise(tmp_path, damage):
+    model = torch.nn.Linear(3, 2)
+    store = SnapshotStore(tmp_path)
+    store.take(2, {"model": model}, good=True)
+    good_file = tmp_path / "ladder-rank0-good.pt"
+    if damage == "corrupt":
+        good_file.write_bytes(good_file.read_bytes()[:100])
+    elif damage == "missing":
+        good_file.unlink()
+    else:
+        torch.save({"step": 7, "states": {"model": model.state_dict()}}, good_file)
+    with pytest.raises(RuntimeError, match=r"reading the rollback point of step 2 from .*ladder-rank0-good.pt.* failed"):
+        store.restore({"model": model})
+
+
 # ---- moves in a plain PyTorch loop -----------------------------------------------------
 
 

@@ -79,6 +79,34 @@ def test_a_run_that_never_diverges_is_plain_o2_bit_for_bit(flag_timing):
     _assert_same_weights(auto, plain)
 
 
+def test_snapshots_on_disk_give_the_in_memory_run_bit_for_bit_and_hold_no_host_memory(tmp_path, flag_timing):
+    """SpikesAtO2 with snapshot_every=2: the rollback point is promoted (a rename on disk) before the move."""
+    runs = []
+    for snapshot_dir in (None, tmp_path / "snaps"):
+        rules = LadderRules(spike_factor=10.0, spike_steps=2, spike_history=4, snapshot_every=2,
+                            snapshot_dir=snapshot_dir)
+        plugin = AmpAutoPlugin(dtype="float16", ladder_rules=rules)
+        trainer = L.Trainer(accelerator="cpu", max_epochs=12, plugins=[plugin], logger=CSVLogger(tmp_path, name="run"),
+                            log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        model = SpikesAtO2(lambda: GainSum(gain=1.0))
+        with quiet_lightning():
+            trainer.fit(model)
+        runs.append((model, trainer, plugin.ladder))
+    (memory, memory_trainer, memory_ladder), (disk, disk_trainer, disk_ladder) = runs
+    assert memory_ladder.changes == disk_ladder.changes == 1 and memory_ladder.snapshot_step > 0
+    assert (disk_ladder.moved_at, disk_ladder.snapshot_step) == (memory_ladder.moved_at, memory_ladder.snapshot_step)
+    _assert_same_weights(disk, memory)
+    for trainer in (memory_trainer, disk_trainer):
+        assert trainer.optimizers[0].state_dict()["state"]
+    for a, b in zip(*(t.optimizers[0].state_dict()["state"].values() for t in (disk_trainer, memory_trainer))):
+        assert all(torch.equal(a[key], b[key]) for key in a)
+    assert memory_ladder.snapshots.nbytes > 0 and disk_ladder.snapshots.nbytes == 0
+    files = {p.name: p.stat().st_size for p in (tmp_path / "snaps").iterdir()}
+    assert set(files) <= {"ladder-rank0-good.pt", "ladder-rank0-candidate.pt"} and "ladder-rank0-good.pt" in files
+    assert memory_ladder.snapshots.nbytes <= sum(files.values()) <= memory_ladder.snapshots.nbytes + 20_000 * len(files)
+
+
 def test_level_and_rung_changes_are_logged(tmp_path):
     plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
     _fit(GainSum, plugin, 8, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)

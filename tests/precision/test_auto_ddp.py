@@ -16,6 +16,19 @@ SCRIPT = Path(__file__).with_name("auto_ddp_script.py")
 
 @pytest.mark.slow
 def test_ranks_move_together_on_one_ranks_verdict(tmp_path, flag_timing):
+    rank0, rank1 = _run_and_check_the_ranks_moved_together(tmp_path)
+    assert rank0["nbytes"] == rank1["nbytes"] > 0
+
+
+@pytest.mark.slow
+def test_with_snapshots_on_disk_each_rank_writes_and_restores_its_own_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTO_DDP_SNAPSHOT_DIR", str(tmp_path / "snaps"))  # one folder for both ranks
+    rank0, rank1 = _run_and_check_the_ranks_moved_together(tmp_path)
+    assert rank0["nbytes"] == rank1["nbytes"] == 0
+    assert {p.name for p in (tmp_path / "snaps").iterdir()} >= {"ladder-rank0-good.pt", "ladder-rank1-good.pt"}
+
+
+def _run_and_check_the_ranks_moved_together(tmp_path):
     _run(tmp_path, 2, SCRIPT)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert rank1["reason"].startswith("nonfinite_in_a_row")
@@ -33,3 +46,4 @@ def test_ranks_move_together_on_one_ranks_verdict(tmp_path, flag_timing):
                      auto_ddp_script.STEPS - rank0["moved_at"])
     for a, b in zip(rank0["params"], manual.parameters()):
         assert torch.equal(a, b.detach())
+    return rank0, rank1
