@@ -22,18 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_amp import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD, ops
+from lightning_amp import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD
 
-
-@pytest.fixture(params=["ext", "fallback"])
-def path(request, monkeypatch):
-    """The compiled extension (skipped if not built) or the pure-PyTorch fallback."""
-    if request.param == "ext":
-        if ops.backend("cpu") != "cpu-ext":
-            pytest.skip("compiled extension not built")
-    else:
-        monkeypatch.setattr(ops._ext, "_EXT", None)
-    return request.param
 
 
 def _max_diff(ref_params, tst_params):

@@ -12,16 +12,6 @@ from lightning_amp import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD, ops
 SIZES = [(1,), (7,), (33,), (1000,), (17, 31), (3, 5, 7)]
 
 
-@pytest.fixture(params=["ext", "fallback"])
-def path(request, monkeypatch):
-    """Run the test on the compiled extension (skipped if not built) or the fallback."""
-    if request.param == "ext":
-        if ops.backend("cpu") != "cpu-ext":
-            pytest.skip("compiled extension not built")
-    else:
-        monkeypatch.setattr(ops._ext, "_EXT", None)
-    return request.param
-
 
 def _params(sizes, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
