@@ -72,12 +72,13 @@ def all_reduce(x: Tensor, group: Any, async_op: bool = False):
 def all_reduce_value(x: Tensor, group: Any) -> Tensor:
     """The sum of ``x`` over ``group`` as a new tensor (``x`` itself when the group has one rank).
 
-    Eager: a copy of ``x`` summed in place. Under a trace: the functional all-reduce."""
+    Eager: a contiguous copy of ``x`` (what the collective needs) summed in place. Under a trace: the functional
+    all-reduce."""
     if group_size(group) == 1:
         return x
     if tracing():
         return funcol.all_reduce(x, "sum", _traced_group(group))
-    out = x.clone()
+    out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out
 

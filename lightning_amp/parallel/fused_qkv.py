@@ -94,8 +94,9 @@ class ReplicatedKVColumnParallel(nn.Module):
             x = comm.gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)
         else:
             x = comm.copy_to_tensor_parallel_region(x, self.group)
-        weight = _SumGradOverTP.apply(self.kv_weight, self.group)
-        bias = None if self.kv_bias is None else _SumGradOverTP.apply(self.kv_bias, self.group)
+        # replicated on every rank, used for different outputs: identity forward, grads summed over TP in backward
+        weight = comm.copy_to_tensor_parallel_region(self.kv_weight, self.group)
+        bias = None if self.kv_bias is None else comm.copy_to_tensor_parallel_region(self.kv_bias, self.group)
         k, v = F.linear(x, weight, bias).chunk(2, dim=-1)
         size, g = self.heads.head_size, self.group_index
         return torch.cat([q, k[..., g * size:(g + 1) * size], v[..., g * size:(g + 1) * size]], dim=-1)
@@ -126,20 +127,6 @@ def _replicated(tensor: Tensor) -> nn.Parameter:
     param.tensor_model_parallel = False
     param.grad_reduced_over_tp = True  # full on every rank after backward: no sequence-parallel all-reduce
     return param
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the TP group (a replicated weight used by every rank
-    for different outputs)."""
-
-    @staticmethod
-    def forward(ctx, weight, group):
-        ctx.group = group
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_reduce_value(grad.contiguous(), ctx.group), None
 
 
 def fused_qkv_parallel(weight: Tensor, bias: Optional[Tensor], heads: QKVHeads, group: Any = None,
