@@ -22,7 +22,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-LATE_STEPS = 2
+from _flag_timing import LATE_STEPS  # noqa: E402  (needs _HERE on sys.path)
 
 
 @pytest.fixture(autouse=True)

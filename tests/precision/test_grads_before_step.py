@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from lightning.pytorch.demos import Transformer
 
 from _lightning import quiet_lightning
-from conftest import LATE_STEPS
+from _flag_timing import LATE_STEPS
 from lightning_amp.amp.gate import LAG_ENV
 from lightning_amp import AmpPrecision, FusedAdam, FusedLAMB, FusedSGD, main_params
 
