@@ -95,11 +95,12 @@ def _extensions():
                                          extra_compile_args=options.cxx)
 
     class BuildExtWithRecord(cpp_extension.BuildExtension.with_options(use_ninja=True)):
-        """Writes ``_C.build.json`` beside the built extension: the runtime it was built for."""
+        """Writes ``_C.build.json`` beside the built extension: the runtime it was built for, and from which sources."""
 
         def run(self):
             super().run()
-            record = {**_build.runtime_identity(), "with_cuda": options.with_cuda}
+            record = {**_build.runtime_identity(), "with_cuda": options.with_cuda,
+                      "sources": _build.sources_digest(SOURCES)}
             with open(os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), _build.BUILD_RECORD), "w") as f:
                 json.dump(record, f, indent=1)
 

@@ -11,9 +11,9 @@ One process per device as ``"ddp"`` (gloo on CPU, nccl on CUDA); TP groups of
   lightning-amp plugin converts *after* the plan, so its O2 half copies are those of the shards), and
   every param gets an fp32 ``main_grad`` in one flat buffer reduced over DP (no DDP wrapper). The
   optimizer built over the unconverted ``model.parameters()`` is rebound to the shards, param for
-  param by name; a model whose conversion renames params (``nn.MultiheadAttention`` becomes q/k/v
-  projections) needs the optimizer built after ``fabric.setup_module(model)`` and passed to
-  ``fabric.setup_optimizers``. One model per Fabric.
+  param by name; a param the conversion split (``nn.MultiheadAttention``'s ``in_proj_weight`` becomes q/k/v
+  projections, a fused qkv with replicated key/value heads a query shard and the key/value rows) is replaced
+  by its parts in the same param group. One model per Fabric.
 * ``fabric.backward``: backward, then (unless inside ``fabric.no_backward_sync``) the DP all-reduce of
   ``main_grad`` and ``p.grad = main_grad``; ``optimizer.step()`` then clears that optimizer's part of
   the buffer, and ``optimizer.zero_grad()`` (without a step) clears it at the next backward.
@@ -111,9 +111,8 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
         """Convert ``module`` (see :meth:`setup_module`) and rebind the optimizers to its shards."""
         before = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
         module = self.setup_module(module)
-        after = dict(module.named_parameters(remove_duplicate=False))
         for optimizer in optimizers:
-            _rebind(optimizer, before, after)
+            _rebind(optimizer, before, module)
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -200,8 +199,11 @@ class _MainGradSyncControl(_BackwardSyncControl):
         return self.runtime.no_sync() if enabled else nullcontext()
 
 
-def _rebind(optimizer: Optimizer, before: Dict[int, str], after: Dict[str, nn.Parameter]) -> None:
-    """Point ``optimizer`` at the converted module's params, matched by name (``before``: id -> name)."""
+def _rebind(optimizer: Optimizer, before: Dict[int, str], module: nn.Module) -> None:
+    """Point ``optimizer`` at the converted ``module``'s params, matched by name (``before``: id -> name); a param
+    the conversion split (a fused qkv whose key/value rows are replicated, MHA's ``in_proj_weight``) is replaced
+    by the params its converted layer names for it (``replacement_params``), in the same param group."""
+    after = dict(module.named_parameters(remove_duplicate=False))
     current = {id(p) for p in after.values()}
     for group in optimizer.param_groups:
         params = []
@@ -210,17 +212,24 @@ def _rebind(optimizer: Optimizer, before: Dict[int, str], after: Dict[str, nn.Pa
             if id(p) in current or name is None:  # unchanged, or not the model's
                 params.append(p)
                 continue
-            if name not in after:
-                raise ValueError(
-                    f"strategy='tp_fused': the optimizer holds {name!r}, which the tensor-parallel conversion replaced "
-                    "by differently named params; build the optimizer after the conversion: "
-                    "`model = fabric.setup_module(model)`, then `optimizer = fabric.setup_optimizers(make(model.parameters()))`."
-                )
             if optimizer.state.get(p):
                 raise ValueError(f"strategy='tp_fused': the optimizer has state for {name!r} already; call fabric.setup "
                                  "before the first optimizer.step() (load a checkpoint with fabric.load after setup).")
-            params.append(after[name])
+            params.extend([after[name]] if name in after else _replacements(module, name))
         group["params"] = params
+
+
+def _replacements(module: nn.Module, name: str) -> List[nn.Parameter]:
+    """The params of the converted layer that took over the original param ``name``."""
+    owner, _, key = name.rpartition(".")
+    try:
+        return module.get_submodule(owner).replacement_params(key)
+    except (AttributeError, KeyError):
+        raise ValueError(
+            f"strategy='tp_fused': the optimizer holds {name!r}, which the tensor-parallel conversion replaced by params "
+            "it cannot map back to it; build the optimizer after the conversion: "
+            "`model = fabric.setup_module(model)`, then `optimizer = fabric.setup_optimizers(make(model.parameters()))`."
+        ) from None
 
 
 TensorParallelStrategy.register_strategies(STRATEGY_REGISTRY)

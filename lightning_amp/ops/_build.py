@@ -40,7 +40,7 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # beside the package.
 PACKAGED_SOURCES = os.path.join(PACKAGE_DIR, "_csrc")
 TREE_SOURCES = os.path.join(os.path.dirname(PACKAGE_DIR), "csrc")
-BUILD_RECORD = "_C.build.json"  # beside a prebuilt _C*.so: what it was built for (runtime_identity())
+BUILD_RECORD = "_C.build.json"  # beside a prebuilt _C*.so: what it was built for (runtime_identity()), from what
 LIBRARY = "_C.so"  # the name torch.utils.cpp_extension.load gives the module it builds
 _SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
 
@@ -67,6 +67,16 @@ def source_files(root: str) -> list:
     for folder, _, names in os.walk(root):
         found += [os.path.relpath(os.path.join(folder, n), root) for n in names if n.endswith(_SOURCE_SUFFIXES)]
     return sorted(found)
+
+
+def sources_digest(root: str) -> str:
+    """SHA-256 (hex) of every source file under ``root``, names and contents: which sources a build came from."""
+    digest = hashlib.sha256()
+    for rel in source_files(root):
+        digest.update(rel.encode() + b"\0")
+        with open(os.path.join(root, rel), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
 
 
 def compiled_sources(root: str, with_cuda: bool) -> list:
@@ -203,11 +213,7 @@ def build_key(root: str) -> BuildKey:
     archs = target_cuda_archs() if wants_cuda(root) else None
     with_cuda = archs is not None
     options = build_options(root, with_cuda)
-    digest = hashlib.sha256()
-    for rel in source_files(root):
-        digest.update(rel.encode() + b"\0")
-        with open(os.path.join(root, rel), "rb") as f:
-            digest.update(f.read())
+    digest = hashlib.sha256(sources_digest(root).encode())
     with open(os.path.abspath(__file__), "rb") as f:  # the flags are made here
         digest.update(f.read())
     fields = {**runtime_identity(), "with_cuda": with_cuda, "cuda_arch": archs,

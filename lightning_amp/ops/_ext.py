@@ -8,8 +8,9 @@ Where the extension comes from, first match wins:
 1. **prebuilt**: ``lightning_amp/_C*.so``, built by ``setup.py`` against an importable torch (``make
    install``, ``pip install --no-build-isolation``, a wheel built that way). Its record
    ``_C.build.json`` must name the running torch, CUDA version, C++ ABI and Python; a mismatch is not
-   loaded (an extension built for another torch fails with undefined symbols, or worse). Without a
-   record (a copied file) it is loaded if it loads.
+   loaded (an extension built for another torch fails with undefined symbols, or worse). Nor is one
+   built from other sources than those shipped beside it (a source tree pulled after ``make install``:
+   its kernels would be stale). Without a record (a copied file) it is loaded if it loads.
 2. **cached**: a first-use build for this torch, machine and sources in the per-user cache
    (:mod:`._build`), compiled now if there is none (unless ``LIGHTNING_AMP_NO_BUILD=1``).
 3. otherwise the pure-PyTorch fallbacks, with a RuntimeWarning giving every reason.
@@ -64,6 +65,10 @@ def _load_prebuilt():
         if {k: record.get(k) for k in here} != here:
             return None, (f"lightning_amp/{os.path.basename(built[0])} was built for {_describe_identity(record)}, "
                           f"this is {_describe_identity(here)}"), None
+        root = _build.source_dir()
+        if root is not None and record.get("sources") != _build.sources_digest(root):
+            return None, (f"lightning_amp/{os.path.basename(built[0])} was built from other sources than those in "
+                          f"{root} (rebuild it: `make install` or `pip install --no-build-isolation -e .`)"), None
     if not built:
         return None, f"lightning_amp._C is not built (no _C*.so in {_build.PACKAGE_DIR})", None
     try:

@@ -123,6 +123,16 @@ class ParallelMultiheadAttention(nn.Module):
             state["out_proj.bias"] = self.out_proj.full_bias()
         return state
 
+    def replacement_params(self, key: str) -> list[nn.Parameter]:
+        """The params that now hold what ``nn.MultiheadAttention``'s param ``key`` held (``out_proj.*`` kept
+        their names and are not asked for)."""
+        projections = {"in_proj_weight": "qkv", "q_proj_weight": "q", "k_proj_weight": "k", "v_proj_weight": "v"}
+        if key in projections and (key == "in_proj_weight") == self.fused_in_proj:
+            return [getattr(self, f"{name}_proj").weight for name in projections[key]]
+        if key == "in_proj_bias" and self.q_proj.bias is not None:
+            return [proj.bias for proj in (self.q_proj, self.k_proj, self.v_proj)]
+        raise KeyError(key)
+
     def load_full_state(self, state: dict[str, Tensor]) -> None:
         """Take this rank's slices from a full state in MHA's key layout."""
         if self.fused_in_proj:

@@ -108,6 +108,12 @@ class ReplicatedKVColumnParallel(nn.Module):
             state["bias"] = torch.cat([self.q.full_bias(), self.kv_bias.detach()])
         return state
 
+    def replacement_params(self, key: str) -> list[nn.Parameter]:
+        """The params that now hold what the fused Linear's param ``key`` (``"weight"``/``"bias"``) held."""
+        if key not in ("weight", "bias") or (key == "bias" and self.kv_bias is None):
+            raise KeyError(key)
+        return [self.q.weight, self.kv_weight] if key == "weight" else [self.q.bias, self.kv_bias]
+
     def load_full_state(self, state: dict) -> None:
         """Copy this rank's query rows and the whole key/value rows of a full ``[q | k | v]`` state."""
         q_rows = self.heads.blocks[0]

@@ -26,6 +26,11 @@ from lightning_amp.bench.gpu_targets import FAIL, INCOMPLETE, NOT_RUN, PASS, SYN
 from lightning_amp.bench.report import JSON_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pythonpath() -> str:
+    """This checkout first, then what the environment adds (the test dependencies of the torch-floor lane)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 GPU = "NVIDIA H100 80GB HBM3"
 MODES = ("fp32", "master", "bf16")
 ORDER = ("build", "smoke", "bench", "optim", "wgrad", "cuda-tests", "suite")
@@ -446,7 +451,7 @@ def test_the_pytest_plugin_records_each_outcome_as_it_comes(tmp_path):
     log = tmp_path / "outcomes.jsonl"
     process = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                                 "lightning_amp.bench.gpu_pytest", "-m", "not cuda", "test_probe.py"], cwd=tmp_path,
-                               env=dict(os.environ, **{LOG_ENV: str(log)}, PYTHONPATH=str(ROOT)),
+                               env=dict(os.environ, **{LOG_ENV: str(log)}, PYTHONPATH=_pythonpath()),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180  # a loaded machine starts pytest slowly
@@ -583,7 +588,7 @@ sys.exit(gpu_check.main(sys.argv[1:]))
 def test_a_check_killed_mid_part_keeps_the_verdicts_of_the_parts_before(tmp_path, how):
     out = tmp_path / "out"
     process = subprocess.Popen([sys.executable, "-c", _CHILD, "--out", str(out), "--budget", "900"], cwd=ROOT,
-                               env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                               env=dict(os.environ, PYTHONPATH=_pythonpath()), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     log = out / "logs" / "bench.log"
     try:

@@ -239,9 +239,9 @@ def test_no_build_switch_loads_only_what_is_built(cache, monkeypatch):
 
 
 @pytest.mark.skipif(ops._ext_for("cpu") is None, reason="compiled extension not loaded")
-def test_prebuilt_for_another_torch_is_not_loaded(tmp_path, monkeypatch):
-    """A prebuilt extension whose record names another torch is refused before it is loaded; one whose
-    record matches (or that has none) is used."""
+def test_prebuilt_for_another_torch_or_other_sources_is_not_loaded(tmp_path, monkeypatch):
+    """A prebuilt extension whose record names another torch, or other sources than those beside the package
+    (a tree pulled after ``make install``), is refused before it is loaded; one whose record matches is used."""
     package = tmp_path / "lightning_amp"
     package.mkdir()
     shutil.copy(ops.extension_path(), package / "_C.cpython-311-x86_64-linux-gnu.so")
@@ -254,7 +254,14 @@ def test_prebuilt_for_another_torch_is_not_loaded(tmp_path, monkeypatch):
     assert why == (f"lightning_amp/_C.cpython-311-x86_64-linux-gnu.so was built for torch 2.11.0 (CUDA 13.0, "
                    f"C++11 ABI True, {here['python']}), this is {ops._ext._describe_identity(here)}")
     import json
-    (package / _build.BUILD_RECORD).write_text(json.dumps(here))
+    root = _build.source_dir()
+    for stale in ({}, {"sources": "0" * 64}):  # a record from before sources were recorded; an older tree
+        (package / _build.BUILD_RECORD).write_text(json.dumps({**here, **stale}))
+        module, why, origin = ops._ext._load_prebuilt()
+        assert module is None and origin is None
+        assert why == (f"lightning_amp/_C.cpython-311-x86_64-linux-gnu.so was built from other sources than those in "
+                       f"{root} (rebuild it: `make install` or `pip install --no-build-isolation -e .`)")
+    (package / _build.BUILD_RECORD).write_text(json.dumps({**here, "sources": _build.sources_digest(root)}))
     module, why, origin = ops._ext._load_prebuilt()
     assert module is ops.extension_module() and why is None and origin == "prebuilt by setup.py for this torch"
 

@@ -44,8 +44,11 @@ def make_fabric(precision: str, devices: int, sequence_parallel: bool = False, p
 
 
 def train(name: str, precision: str = "32-true", devices: int = 1, sequence_parallel: bool = False,
-          steps: int = 3, plan="auto") -> dict:
-    """``plan``: tp_fused's (a hand-written one names the layers). ``steps`` SGD steps (clipped to norm 0.5, which the grads exceed) of ``GPT(config(name))`` from seed 0;
+          steps: int = 3, plan="auto", one_call_setup: bool = False) -> dict:
+    """``plan``: tp_fused's (a hand-written one names the layers). ``one_call_setup``: Fabric's other order,
+    ``fabric.setup(model, optimizer)`` with the optimizer over the unconverted params, in two groups (weight decay
+    0.1 on matrices, none on vectors) that the conversion must keep apart.
+    ``steps`` SGD steps (clipped to norm 0.5, which the grads exceed) of ``GPT(config(name))`` from seed 0;
     per step the loss and the full fp32 weights (gathered under tp_fused), then logits of a KV-cache prefill and
     one decoded token (not under sequence parallelism: one token cannot be split)."""
     fabric = make_fabric(precision, devices, sequence_parallel, plan)
@@ -53,8 +56,13 @@ def train(name: str, precision: str = "32-true", devices: int = 1, sequence_para
     torch.manual_seed(0)
     model = litgpt.GPT(config(name))
     user_config = model.config
-    model = fabric.setup(model)  # litgpt's own order: the model first, then its optimizer over the converted params
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
+    if one_call_setup:
+        groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.1},
+                  {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+        model, optimizer = fabric.setup(model, torch.optim.SGD(groups, lr=0.2, momentum=0.9))
+    else:
+        model = fabric.setup(model)  # litgpt's own order: the model first, then its optimizer over the converted params
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
     data = torch.randint(VOCAB, (steps, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     losses, weights, norms = [], [], []
     for tokens in data:
