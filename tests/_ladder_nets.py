@@ -7,8 +7,10 @@
   static scale of 128 overflows float16 in the half backward at O1 and O2; a dynamic scale backs off and trains.
 
 Every batch is the same full batch (:func:`full_batch`), so a run rolled back to its start and continued for
-``n`` steps equals a run of ``n`` steps on the rung it moved to, bit for bit.
+``n`` steps equals a run of ``n`` steps on the rung it moved to, bit for bit. :class:`LitNet` trains one of
+them under the Trainer.
 """
+import lightning as L
 import torch
 from torch import nn
 
@@ -46,3 +48,24 @@ def full_batch(seed: int = 0):
     """(x, y): 32 fresh random samples, inputs in [1, 2), targets in [0, 1)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.rand(32, 16, generator=gen) + 1.0, torch.rand(32, 1, generator=gen)
+
+
+class LitNet(L.LightningModule):
+    """``net_cls()`` (seeded) trained with Adam (lr 1e-2, decayed 0.97 per step), one full batch per epoch."""
+
+    def __init__(self, net_cls):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = net_cls()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.net.loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.97 ** step)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):  # every step sees the same batch
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*full_batch()), batch_size=32)

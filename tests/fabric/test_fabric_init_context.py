@@ -1,26 +1,14 @@
-"""Models created under ``Fabric.init_module()`` / the plugin's ``module_init_context()`` get the level's param dtype,
-as under Fabric's ``HalfPrecision`` (tests_fabric/plugins/precision/test_half.py's ``test_module_init_context``):
-half at O3, torch's default dtype restored afterwards; fp32 at O0-O2, as under ``32-true`` and the mixed precisions."""
+"""Models created under ``Fabric.init_module()`` get the level's param dtype, as under Fabric's ``HalfPrecision``:
+half at O3, torch's default dtype restored afterwards; fp32 at O0-O2, as under ``32-true`` and the mixed precisions.
+(The plugin's own ``tensor_init_context``/``module_init_context``, Fabric's and the Trainer's, are tested together
+in tests/precision/test_init_context.py.)"""
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.plugins.precision import HalfPrecision
 
 from lightning_amp.fabric import FabricAmpO1Precision, FabricAmpO2Precision, FabricAmpO3Precision
 
 HALF = [("bf16-true", "bfloat16", torch.bfloat16), ("16-true", "float16", torch.float16)]
-
-
-@pytest.mark.parametrize(("precision", "dtype", "expected_dtype"), HALF)
-@pytest.mark.parametrize("context", ["tensor_init_context", "module_init_context"])
-def test_module_init_context(precision, dtype, expected_dtype, context):
-    for plugin in (HalfPrecision(precision=precision), FabricAmpO3Precision(dtype=dtype)):
-        assert torch.get_default_dtype() == torch.float32
-        with getattr(plugin, context)():
-            model = torch.nn.Linear(2, 2)
-            assert torch.get_default_dtype() == expected_dtype
-        assert model.weight.dtype == model.bias.dtype == expected_dtype, type(plugin).__name__
-        assert torch.get_default_dtype() == torch.float32
 
 
 @pytest.mark.parametrize(("precision", "dtype", "expected_dtype"), HALF)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,9 +21,9 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as TrainerDeepSpeedSt
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp import AmpO2Plugin
 from lightning_amp.amp import o2_policy
-from lightning_amp.fabric import FabricAmpO2Precision, FabricAmpPrecision, TensorParallelStrategy
+from lightning_amp.fabric import FabricAmpO2Precision, TensorParallelStrategy
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
-from _net import free_port
+from _net import free_port, run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -39,15 +37,8 @@ LEVELS = ("O1", "O2", "O3")
 
 def _launch(out: Path, runs: list) -> dict:
     """Both ranks of tests/fabric/fabric_tp_script.py, started as torchrun would; {name: (rank0, rank1) results}."""
-    env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "GROUP_RANK")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    script = [sys.executable, str(Path(__file__).with_name("fabric_tp_script.py")), str(out), json.dumps(runs)]
-    procs = [subprocess.Popen(script, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    script = Path(__file__).with_name("fabric_tp_script.py")
+    run_two_ranks([sys.executable, str(script), str(out), json.dumps(runs)], [ROOT])
     return {name: tuple(torch.load(out / f"{name}.rank{r}.pt") for r in (0, 1)) for name, _ in runs}
 
 

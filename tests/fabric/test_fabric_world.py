@@ -5,8 +5,6 @@ processes)."""
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from torch import nn
 
 from lightning_amp.fabric import FabricAmpPrecision
 from lightning_amp.parallel.main_grad import MainGradBuffer
-from _net import free_port
+from _net import run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,15 +152,7 @@ def test_tp_fused_main_grad_follows_zero_grad_and_each_optimizers_step(tmp_path)
     over disjoint params sharing one main_grad buffer, against a plain fp32 loop (tests/fabric/fabric_tp_grads_script.py):
     zero_grad() without a step drops those grads, two backwards before a step sum, one optimizer's step leaves the
     other's grads. Measured 1.2e-7 from the plain loop; before, 4.7e-2 / 5.5e-2 / 5.5e-2."""
-    env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "GROUP_RANK")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    script = [sys.executable, str(Path(__file__).with_name("fabric_tp_grads_script.py")), str(tmp_path)]
-    procs = [subprocess.Popen(script, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    run_two_ranks([sys.executable, str(Path(__file__).with_name("fabric_tp_grads_script.py")), str(tmp_path)], [ROOT])
     for name in ("zero_without_step", "two_backwards", "one_optimizer_steps"):
         for rank in (0, 1):
             result = torch.load(tmp_path / f"{name}.rank{rank}.pt")

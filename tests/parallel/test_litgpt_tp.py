@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _net import free_port
+from _net import run_two_ranks
 from _optional import require
 
 litgpt = require("litgpt")
@@ -37,16 +35,8 @@ RUNS = [
 def runs(tmp_path_factory) -> dict:
     """{run name: (rank 0, rank 1) results} of every entry of RUNS at TP=2, both ranks started once."""
     out = tmp_path_factory.mktemp("litgpt_tp")
-    env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "GROUP_RANK")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")]))
     spec = [[name, dict(kwargs, devices=2)] for name, kwargs in RUNS]
-    script = [sys.executable, str(Path(loop.__file__)), str(out), json.dumps(spec)]
-    procs = [subprocess.Popen(script, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    run_two_ranks([sys.executable, str(Path(loop.__file__)), str(out), json.dumps(spec)], [ROOT, ROOT / "tests"])
     return {name: tuple(torch.load(out / f"{name}.rank{r}.pt") for r in (0, 1)) for name, _ in RUNS}
 
 

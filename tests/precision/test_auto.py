@@ -7,30 +7,11 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from _ladder_nets import BigGradNet, GainSum, full_batch
+from _ladder_nets import BigGradNet, GainSum, LitNet
 from _lightning import quiet_lightning
 from lightning_amp import AmpAutoPlugin, AmpPrecision, LadderRules
 
 RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2)
-
-
-class LitNet(L.LightningModule):
-    def __init__(self, net_cls):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = net_cls()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return self.net.loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.97 ** step)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def train_dataloader(self):  # one full batch per epoch: every step sees the same batch
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*full_batch()), batch_size=32)
 
 
 def _fit(net_cls, plugin, steps, ckpt_path=None, quiet=True, **trainer_kwargs):

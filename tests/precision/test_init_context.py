@@ -1,21 +1,26 @@
-"""Models created under ``Trainer.init_module()`` / the plugin's ``tensor_init_context()`` get the level's param
-dtype, as under Lightning's ``HalfPrecision`` (``bf16-true``/``16-true``: tests_pytorch/plugins/precision/test_half.py's
-``test_module_init_context``): half at O3, with torch's default dtype restored afterwards; fp32 at O0-O2 (Lightning's
-``32-true`` and mixed precisions create fp32 params)."""
+"""Models created under ``Trainer.init_module()`` / the plugin's ``tensor_init_context()`` (the Trainer's and
+Fabric's plugins) get the level's param dtype, as under Lightning's ``HalfPrecision`` (``bf16-true``/``16-true``:
+tests_pytorch/plugins/precision/test_half.py's ``test_module_init_context``): half at O3, with torch's default
+dtype restored afterwards; fp32 at O0-O2 (Lightning's ``32-true`` and mixed precisions create fp32 params)."""
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.pytorch.plugins import HalfPrecision
 
 from lightning_amp import AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin
+from lightning_amp.fabric import FabricAmpO3Precision
 
 HALF = [("bf16-true", "bfloat16", torch.bfloat16), ("16-true", "float16", torch.float16)]
 
 
 @pytest.mark.parametrize(("precision", "dtype", "expected_dtype"), HALF)
 @pytest.mark.parametrize("context", ["tensor_init_context", "module_init_context"])
-def test_module_init_context(precision, dtype, expected_dtype, context):
-    for plugin in (HalfPrecision(precision=precision), AmpO3Plugin(dtype=dtype)):
+@pytest.mark.parametrize(("half_cls", "o3_cls"),
+                         [(HalfPrecision, AmpO3Plugin), (FabricHalfPrecision, FabricAmpO3Precision)], ids=["trainer", "fabric"])
+def test_module_init_context(precision, dtype, expected_dtype, context, half_cls, o3_cls):
+    """The Trainer's plugin and Fabric's, each beside Lightning's own HalfPrecision of the same family."""
+    for plugin in (half_cls(precision=precision), o3_cls(dtype=dtype)):
         assert torch.get_default_dtype() == torch.float32
         with getattr(plugin, context)():
             model = torch.nn.Linear(2, 2)
