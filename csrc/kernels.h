@@ -19,19 +19,20 @@ namespace cpu {
 void wgrad_gemm_accum(const at::Tensor& x, const at::Tensor& g, at::Tensor& main_grad);
 
 // Which CPU GEMM serves operands of dtype now: "onednn", "mkl" or "aten" (csrc/cpu/wgrad_gemm.cpp
-// says what each is; float32 always "aten"). Under the "auto" policy this runs the one-time
+// says what each is; float32 always "aten"). Under the "fastest" policy this runs the one-time
 // measurement of the 16-bit paths if it has not run yet.
 std::string wgrad_cpu_gemm_backend(at::ScalarType dtype);
 // Each path with the reason it cannot serve dtype now ("" = usable).
 std::vector<std::pair<std::string, std::string>> wgrad_cpu_gemm_paths(at::ScalarType dtype);
-// The "auto" measurement for a 16-bit dtype (made now if not yet): the paths usable at the time,
+// The "fastest" measurement for a 16-bit dtype (made now if not yet): the paths usable at the time,
 // fastest first, with the seconds of their fastest round.
 std::vector<std::pair<std::string, double>> wgrad_cpu_gemm_calibration(at::ScalarType dtype);
 
 // Test / benchmark hooks: cap on the rows (K) handed to one GEMM call (0 = automatic: the
 // largest K that keeps every operand below 2^31 elements for MKL, the default step of the other
-// paths), and the 16-bit GEMM policy: "auto" (the fastest path measured once per dtype) or a path
-// ("onednn", "mkl", "aten"), which then must be usable.
+// paths), and the 16-bit GEMM policy: "auto" (a rule of the CPU: the same path in every process),
+// "fastest" (the fastest path measured once per process and dtype) or a path ("onednn", "mkl", "aten"),
+// which then must be usable.
 void set_wgrad_k_chunk(int64_t rows);
 int64_t wgrad_k_chunk();
 void set_wgrad_cpu_gemm_policy(const std::string& policy);

@@ -3,6 +3,12 @@ from lightning_amp._version import version as _version
 
 __version__ = _version()
 
+import torch as _torch  # noqa: E402
+
+from lightning_amp._torch_support import warn_if_untested as _warn_if_untested  # noqa: E402
+
+_warn_if_untested(_torch.__version__)  # a torch outside the tested range: one warning naming it, no refusal
+
 from lightning_amp.amp.casts import (  # noqa: E402
     float_function,
     half_function,

@@ -162,8 +162,9 @@ class AmpPrecision(AmpPluginBase, Precision):
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
             return None
-        # closure=: as Lightning's own precisions hand it to optimizer.step (a patched step or a step hook may
-        # read it); it has run already (the grads must exist before the overflow check) and returns its result
+        # closure=: as Lightning's bf16-mixed hands it to optimizer.step (a patched step or a step hook may read
+        # it), dropped where the loss is scaled, as 16-mixed's GradScaler.step drops it (amp/step.py); it has run
+        # already (the grads must exist before the overflow check) and returns its result
         self.amp.step(optimizer, lambda: self._after_closure(model, optimizer),
                       self._grads_read_before_step(model), closure=lambda: closure_result, **kwargs)
         self._log_metrics(model, closure_result if laddered else None)

@@ -42,3 +42,14 @@ def _restore_environ():
 def flag_timing(request, monkeypatch):
     monkeypatch.setenv(LAG_ENV, "0" if request.param == "immediate" else str(LATE_STEPS))
     return request.param
+
+
+def pytest_configure(config):
+    """``ATEN_CPU_CAPABILITY=default`` (a plain x86-64 CPU, emulated: the suite runs so in benchmarks/RESULTS.md)
+    caps ATen's kernels but not inductor's code generation, which still reads the host's vector ISA and emits
+    ``at::vec`` code that the capped headers do not declare (a C++ compile error). On a CPU that has no vector
+    ISA inductor generates scalar loops; ``cpp.simdlen = 1`` makes it do so under the emulation too."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.simdlen = 1

@@ -245,6 +245,10 @@ const char* brgemm_unusable_reason(at::ScalarType dtype) {
 
 bool brgemm_usable(at::ScalarType dtype) { return brgemm_unusable_reason(dtype)[0] == '\0'; }
 
+bool brgemm_accepted_by_cpu(at::ScalarType dtype) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && probe_for(dtype).ok;
+}
+
 void brgemm_tn_accum(const at::Tensor& g, const at::Tensor& x, at::Tensor& c, int64_t k_rows) {
   const char* why = brgemm_unusable_reason(g.scalar_type());
   TORCH_CHECK(why[0] == '\0', "wgrad_gemm_accum: the oneDNN CPU GEMM path is not usable for ", g.scalar_type(),

@@ -11,16 +11,19 @@
 //   loads against a torch built without MKL.
 // * "aten": blocks of K (tokens) rows of both operands are upcast to fp32 (temporaries of a few MiB,
 //   never the full product) and accumulated with addmm_ (sgemm, beta = 1).
-// Which one is fastest depends on the CPU and on the libraries' own ISA caps (ONEDNN_MAX_CPU_ISA,
-// MKL_ENABLE_INSTRUCTIONS): benchmarks/RESULTS.md has MKL ahead on an AMX Xeon, the three within
-// noise of each other with both libraries capped at AVX-512 BF16 on that Xeon (whose fp32 units
-// keep up with its bf16 ones, unlike an AMD EPYC's), and MKL's or the fp32 one with both capped at
-// AVX2, where oneDNN has no bf16 micro-kernel. So "auto" (the default) measures: the first 16-bit
-// call of a process times each usable path on one
-// kCalK x kCalM x kCalN product (a warm-up, then the fastest of kCalRounds interleaved rounds) and
-// keeps the fastest for that dtype. A policy naming a path ("onednn", "mkl", "aten"; ops.py sets it
-// from LIGHTNING_AMP_WGRAD_CPU_GEMM) skips the measurement and uses that path, or raises where it is
-// not usable.
+// The paths sum in different orders, so the path decides the last bits of main_grad: a run, its
+// resumed copy and every rank of a job must take the same one. "auto" (the default) is therefore a
+// rule, not a measurement: where torch's oneDNN micro-kernel accepts the dtype on this CPU (AMX; the
+// probe in wgrad_brgemm.cpp, which also sees ONEDNN_MAX_CPU_ISA), the first usable of MKL, oneDNN,
+// the fp32 upcast; elsewhere the fp32 upcast. benchmarks/RESULTS.md has MKL ahead on an AMX Xeon
+// (0.51-0.63x torch's unfused bf16), the upcast ahead with the libraries capped at AVX-512 BF16 on that
+// Xeon (145 ms against MKL's 169-173 and oneDNN's 215-232), and the upcast and MKL within noise of each
+// other on AVX2-only EPYCs (which is why a timing made them swap from one process to the next).
+// "fastest" times each usable path once per process on one kCalK x kCalM x kCalN product (a warm-up,
+// then the fastest of kCalRounds interleaved rounds) and keeps the fastest for that dtype: faster where
+// the rule guesses wrong, but two processes may choose differently. A policy naming a path ("onednn",
+// "mkl", "aten") uses that path, or raises where it is not usable; ops sets the policy from
+// LIGHTNING_AMP_WGRAD_CPU_GEMM.
 //
 // MKL's LP64 interface takes 32-bit ints: m, n and the leading dimensions must fit, and the
 // K (token) dimension is split into chunks that keep every operand slice below 2^31 elements.
@@ -73,6 +76,7 @@ Gemm16Fn mkl_gemm_for(at::ScalarType dtype) {
 enum class Path : int { kAten = 0, kMkl = 1, kOnednn = 2 };
 constexpr std::array<Path, 3> kPaths = {Path::kOnednn, Path::kMkl, Path::kAten};
 constexpr int kAuto = -1;
+constexpr int kFastest = -2;
 
 const char* path_name(Path p) {
   switch (p) {
@@ -121,7 +125,7 @@ int64_t onednn_rows(int64_t m, int64_t n) {
   return std::clamp<int64_t>((int64_t{1} << 24) / std::max<int64_t>(m + n, 1), 1024, 4096);
 }
 
-// The measurement behind "auto": one product of this size per path and round.
+// The measurement behind "fastest": one product of this size per path and round.
 constexpr int64_t kCalK = 2048, kCalM = 1024, kCalN = 1024;
 constexpr int kCalRounds = 3;
 
@@ -199,7 +203,7 @@ struct Calibration {
   std::vector<std::pair<Path, double>> ranked;  // usable paths at the time, fastest first
 };
 
-// The measurement of "auto" for 16-bit dtype, made once per process. Operands hold small integers
+// The measurement of "fastest" for 16-bit dtype, made once per process. Operands hold small integers
 // (no random-number generator is touched), the products go into a scratch fp32 matrix.
 const std::vector<std::pair<Path, double>>& calibration(at::ScalarType dtype) {
   static Calibration bf16, f16;
@@ -229,21 +233,29 @@ const std::vector<std::pair<Path, double>>& calibration(at::ScalarType dtype) {
   return cal.ranked;
 }
 
-// The path that serves 16-bit dtype now: the policy's, or under "auto" the fastest measured path
-// that is still usable (oneDNN can be switched off after the measurement).
+// The path that serves 16-bit dtype now: the policy's; under "auto" the rule's (the file's header), under
+// "fastest" the fastest measured path; either way one that is still usable (oneDNN can be switched off).
 Path chosen_path(at::ScalarType dtype) {
   const int policy = g_policy.load();
-  if (policy != kAuto) {
-    const Path p = static_cast<Path>(policy);
-    const std::string why = unusable_reason(p, dtype);
-    TORCH_CHECK(why.empty(), "wgrad_gemm_accum: the CPU GEMM path '", path_name(p), "' was asked for (",
-                "LIGHTNING_AMP_WGRAD_CPU_GEMM or set_wgrad_cpu_gemm_policy) but cannot serve ", dtype, " here: ", why);
-    return p;
+  if (policy == kFastest) {
+    for (const auto& entry : calibration(dtype)) {
+      if (unusable_reason(entry.first, dtype).empty()) return entry.first;
+    }
+    return Path::kAten;
   }
-  for (const auto& entry : calibration(dtype)) {
-    if (unusable_reason(entry.first, dtype).empty()) return entry.first;
+  if (policy == kAuto) {
+    if (wgrad::brgemm_accepted_by_cpu(dtype)) {
+      for (Path p : {Path::kMkl, Path::kOnednn}) {
+        if (unusable_reason(p, dtype).empty()) return p;
+      }
+    }
+    return Path::kAten;
   }
-  return Path::kAten;
+  const Path p = static_cast<Path>(policy);
+  const std::string why = unusable_reason(p, dtype);
+  TORCH_CHECK(why.empty(), "wgrad_gemm_accum: the CPU GEMM path '", path_name(p), "' was asked for (",
+              "LIGHTNING_AMP_WGRAD_CPU_GEMM or set_wgrad_cpu_gemm_policy) but cannot serve ", dtype, " here: ", why);
+  return p;
 }
 
 void gemm_tn_accum(const at::Tensor& g, const at::Tensor& x, at::Tensor& c) {
@@ -264,8 +276,8 @@ void set_wgrad_k_chunk(int64_t rows) {
 int64_t wgrad_k_chunk() { return g_k_chunk.load(); }
 
 void set_wgrad_cpu_gemm_policy(const std::string& policy) {
-  if (policy == "auto") {
-    g_policy.store(kAuto);
+  if (policy == "auto" || policy == "fastest") {
+    g_policy.store(policy == "auto" ? kAuto : kFastest);
     return;
   }
   for (Path p : kPaths) {
@@ -274,7 +286,7 @@ void set_wgrad_cpu_gemm_policy(const std::string& policy) {
       return;
     }
   }
-  TORCH_CHECK_VALUE(false, "set_wgrad_cpu_gemm_policy: policy must be 'auto', 'onednn', 'mkl' or 'aten', got '",
+  TORCH_CHECK_VALUE(false, "set_wgrad_cpu_gemm_policy: policy must be 'auto', 'fastest', 'onednn', 'mkl' or 'aten', got '",
                     policy, "'");
 }
 

@@ -16,6 +16,9 @@ namespace wgrad {
 // oneDNN micro-kernel accepts dtype on this CPU (probed once: a small product compared with its exact
 // value) and oneDNN is enabled (torch.backends.mkldnn.enabled, read at every call).
 bool brgemm_usable(at::ScalarType dtype);
+// Whether torch's oneDNN micro-kernel accepts dtype on this CPU (the probe alone: a property of the CPU and
+// of oneDNN's ISA cap, not of the torch.backends.mkldnn switch).
+bool brgemm_accepted_by_cpu(at::ScalarType dtype);
 // Why brgemm_usable(dtype) is false ("" when it is true).
 const char* brgemm_unusable_reason(at::ScalarType dtype);
 // k_rows: K rows packed and multiplied per step (> 0; rounded up to even inside).

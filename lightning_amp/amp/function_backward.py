@@ -14,18 +14,26 @@ half stream is kept; ``bf16-mixed`` and every thread outside O2's forward are un
 torch's own Functions (``torch.*``: checkpointing, compiled graphs) and lightning_amp's (tensor-parallel
 layers, written for O2's dtypes) are left alone, as is any ``apply`` a class defines itself.
 
-Lifetime: ``torch.autograd.Function.apply`` is replaced while at least one :func:`autocast_backward` is
-open in the process (reference counted across threads) and put back when the last closes; a marked node
-holds the autocast state (no reference to itself) until autograd frees it.
+How, and what it leans on (docs/architecture.md, "torch and Lightning internals"):
+
+* finding the Functions: ``torch.autograd.Function.apply`` is replaced by a classmethod that calls torch's
+  own through the descriptor protocol (``vars(Function)["apply"].__get__(None, cls)``), whatever type torch
+  implements it with (a Python ``classmethod`` up to 2.13, a C ``classmethod_descriptor`` from 2.14), while
+  at least one :func:`autocast_backward` is open in the process (reference counted across threads), and put
+  back, the same object, when the last closes. torch has no public hook for "a Function was applied";
+* running the backward under autocast: public ``torch.autograd.graph.Node`` hooks on the Function's node
+  (a pre-hook enters ``torch.autocast``, a post-hook leaves it). If the backward raises, the post-hook does
+  not run; the autograd engine restores each node's thread-local state (autocast included) after it runs,
+  and ``tests/amp/test_function_backward.py`` checks that it does.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from typing import Any, Iterator, List, Tuple
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from lightning_amp.amp import o2_policy
 
@@ -33,38 +41,45 @@ _LEFT_ALONE = ("torch.", "lightning_amp.")
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 _lock = threading.Lock()
 _depth = 0
-_saved_apply: Any = None  # torch's own ``Function.apply`` (a classmethod) while replaced
+_torchs_apply: Any = None  # torch's own ``vars(Function)["apply"]`` (a descriptor) while replaced
+
+AutocastState = List[Tuple[str, torch.dtype]]
 
 
-def _forward_autocast() -> List[Tuple[str, torch.dtype]]:
+def _forward_autocast() -> AutocastState:
     return [(device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
             if torch.is_autocast_enabled(device)]
 
 
-def _backward_under(node: Any, state: List[Tuple[str, torch.dtype]]) -> None:
-    """Make the engine run ``node``'s backward under ``state`` (an instance ``apply``, which the engine calls;
-    the node is reached through a weak reference, so it is freed as before)."""
-    node_ref, backward = weakref.ref(node), type(node).apply
+def _run_backward_under(node: BackwardCFunction, state: AutocastState) -> None:
+    """``node``'s backward runs under the autocast ``state`` (the hooks hold the state, not the node)."""
+    open_blocks: List[contextlib.ExitStack] = []
 
-    def apply(*grads: Any) -> Any:
-        with contextlib.ExitStack() as stack:
-            for device, dtype in state:
-                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
-            return backward(node_ref(), *grads)
+    def enter(grad_outputs: Any) -> None:
+        stack = contextlib.ExitStack()
+        for device, dtype in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
+        open_blocks.append(stack)
 
-    node.apply = apply
+    def leave(grad_inputs: Any, grad_outputs: Any) -> None:
+        open_blocks.pop().close()
+
+    node.register_prehook(enter)
+    node.register_hook(leave)
 
 
 def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    outputs = _saved_apply.__func__(cls, *args, **kwargs)
+    outputs = _torchs_apply.__get__(None, cls)(*args, **kwargs)
     if not o2_policy.active() or (cls.__module__ or "").startswith(_LEFT_ALONE) or "apply" in vars(cls):
         return outputs
     state = _forward_autocast()
     if state:
+        seen = set()
         for output in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
             node = output.grad_fn if isinstance(output, torch.Tensor) else None
-            if isinstance(node, cls._backward_cls) and "apply" not in vars(node):
-                _backward_under(node, state)
+            if isinstance(node, BackwardCFunction) and id(node) not in seen:
+                seen.add(id(node))
+                _run_backward_under(node, state)
     return outputs
 
 
@@ -72,10 +87,10 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
 def autocast_backward() -> Iterator[None]:
     """Inside the block, the backward of a user's Function applied where O2's rules are active runs under
     the autocast state of its forward (see the module docstring). Nestable, from any thread."""
-    global _depth, _saved_apply
+    global _depth, _torchs_apply
     with _lock:
         if _depth == 0:
-            _saved_apply = vars(torch.autograd.Function)["apply"]
+            _torchs_apply = vars(torch.autograd.Function)["apply"]
             torch.autograd.Function.apply = classmethod(_apply)
         _depth += 1
     try:
@@ -84,7 +99,7 @@ def autocast_backward() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                torch.autograd.Function.apply = _saved_apply
+                torch.autograd.Function.apply = _torchs_apply  # kept in _torchs_apply: a call may be on its way
 
 
 def depth() -> int:

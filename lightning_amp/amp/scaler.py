@@ -147,6 +147,11 @@ class LossScaler:
         return self
 
     @property
+    def scales_the_loss(self) -> bool:
+        """Whether the loss is multiplied at all: dynamic, or a static scale other than 1.0."""
+        return self.dynamic or self.static_scale != 1.0
+
+    @property
     def scale_tensor(self) -> Tensor:
         """The current scale as a 0-dim fp32 tensor on :attr:`device` (updated in place; no host read)."""
         return self._scale32

@@ -17,6 +17,10 @@ ranks, see :func:`agree`):
    * ``host``: any other optimizer; the flag is read on the host and ``step()`` is called or not
      (the only driver that synchronises, as before).
 
+   Where ``step()`` is called, it is called as Lightning's own precision would call it: with a scaler that
+   scales the loss (float16) as ``torch.amp.GradScaler.step`` does, without the ``closure`` the caller handed
+   on (Lightning's ``16-mixed``), else with it (``bf16-mixed``, ``32-true``).
+
    The first step of an optimizer whose state does not exist yet reads the flag once on the host
    (so a skipped first step creates no state); afterwards the kernel and protocol drivers decide
    the skip on the device.
@@ -182,6 +186,8 @@ class OptimizerStep:
     def apply(self, found_inf: Tensor, in_kernel: bool, **step_kwargs: Any) -> None:
         """Step (or skip, on the device) with the agreed ``found_inf``, update the scale, report the flag.
         ``in_kernel``: the grads were only inspected and the optimizer unscales them (protocol driver)."""
+        if "closure" in step_kwargs and self.scaler.scales_the_loss:  # as GradScaler.step calls it
+            step_kwargs = {key: value for key, value in step_kwargs.items() if key != "closure"}
         params = [p for p in optimizer_params(self.optimizer) if p.grad is not None]
         # per-param flags on the device only when the flag may land after these grads are gone (a GPU,
         # a simulated lag); a CPU flag lands inside record() below, and _skipped reads the grads then

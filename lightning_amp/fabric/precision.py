@@ -155,7 +155,7 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
             self.ladder.before_step(self.amp, self._ladder_objects)
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
-        if closure is not None:  # handed on already run, as Fabric's own precisions pass it to optimizer.step
+        if closure is not None:  # handed on already run (dropped where the loss is scaled, as GradScaler.step does)
             kwargs["closure"] = lambda: result
         self.amp.step(state.optimizer, **kwargs)
         if laddered:

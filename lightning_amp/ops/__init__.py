@@ -13,9 +13,10 @@ Environment switches (read once, at import):
 * ``LIGHTNING_AMP_NO_BUILD=1``: load a prebuilt or cached build only, never compile at import
   (where no prebuilt extension matches the running torch, the first import otherwise builds one into
   the per-user cache, :mod:`._build`: ``LIGHTNING_AMP_CACHE_DIR``, default ``~/.cache/lightning_amp``).
-* ``LIGHTNING_AMP_WGRAD_CPU_GEMM=auto|onednn|mkl|aten`` pins the CPU GEMM path of
-  :func:`wgrad_gemm_accum_fp32` for 16-bit operands (default ``auto``: measured once per process);
-  any other value is a ValueError naming the variable.
+* ``LIGHTNING_AMP_WGRAD_CPU_GEMM=auto|fastest|onednn|mkl|aten`` picks the CPU GEMM path of
+  :func:`wgrad_gemm_accum_fp32` for 16-bit operands (default ``auto``: a rule of the CPU, the same path
+  in every process, so a resumed run and every rank sum in the same order; ``fastest``: measured once per
+  process, which two processes may answer differently); any other value is a ValueError naming the variable.
 
 ``backend(device)`` tells which implementation serves a device.
 

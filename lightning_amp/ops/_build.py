@@ -154,13 +154,15 @@ class BuildOptions:
 def build_options(root: str, with_cuda: bool) -> BuildOptions:
     """The compile and link flags. ``LIGHTNING_AMP_OPT`` sets the optimisation flag (default ``-O3``)."""
     opt = os.environ.get("LIGHTNING_AMP_OPT", "-O3")
+    # No -std: torch's cpp_extension adds the C++ standard its own headers need (C++17 up to torch 2.12,
+    # C++20 from 2.13; 2.14's headers refuse anything older).
     options = BuildOptions(sources=compiled_sources(root, with_cuda), include_dirs=[root],
-                           cxx=[opt, "-std=c++17", "-fopenmp"] + cpu_vector_flags(), with_cuda=with_cuda)
+                           cxx=[opt, "-fopenmp"] + cpu_vector_flags(), with_cuda=with_cuda)
     if with_cuda:
         from torch.utils import cpp_extension
 
         # No --use_fast_math: the inf/nan checks of the multi-tensor kernels must see inf and nan.
-        options.nvcc = [opt, "-std=c++17"]
+        options.nvcc = [opt]
         options.libraries = ["cublas"]
         wheel = nvidia_wheel_cublas(cpp_extension.CUDA_HOME)
         if wheel is not None:
@@ -176,7 +178,7 @@ def runtime_identity() -> dict:
     version, C++ ABI and the Python extension ABI."""
     import torch
 
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "cxx11_abi": bool(torch.compiled_with_cxx11_abi()),
             "python": sysconfig.get_config_var("EXT_SUFFIX")}
 
 

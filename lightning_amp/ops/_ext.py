@@ -195,8 +195,8 @@ def backend(device: torch.device | str = "cpu") -> str:
 
 def wgrad_cpu_gemm(dtype: torch.dtype) -> Optional[str]:
     """The CPU GEMM path that serves :func:`wgrad_gemm_accum_fp32` for ``dtype`` operands in this
-    process: ``"onednn"``, ``"mkl"`` or ``"aten"`` (for 16-bit dtypes this runs the one-time
-    measurement if it has not run yet), or None without the compiled extension."""
+    process: ``"onednn"``, ``"mkl"`` or ``"aten"`` (under ``LIGHTNING_AMP_WGRAD_CPU_GEMM=fastest`` this runs
+    the one-time measurement if it has not run yet), or None without the compiled extension."""
     if _EXT is None:
         return None
     return _EXT._wgrad_cpu_gemm_backend(str(dtype).replace("torch.", ""))

@@ -92,12 +92,13 @@ def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor)
     ``main_grad`` is a contiguous fp32 ``[out, in]`` buffer.
 
     Backends: CUDA ``cublasGemmEx`` with beta = 1 into ``main_grad`` (CUBLAS_COMPUTE_32F).
-    CPU: fp32 operands via ``addmm_`` (sgemm, beta = 1); 16-bit operands through the fastest of
-    three paths, measured once per process and dtype at the first call (four 2048 x 1024 x 1024
-    products per usable path): ``onednn`` (oneDNN's micro-kernel inside torch, on AMX or AVX-512 BF16/FP16
-    units), ``mkl`` (MKL's ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32``) or ``aten``
-    (token blocks upcast to fp32, then ``addmm_``). All three sum exact products in fp32 with
-    beta = 1 (they differ only in the order of the sums); ``LIGHTNING_AMP_WGRAD_CPU_GEMM`` pins one.
+    CPU: fp32 operands via ``addmm_`` (sgemm, beta = 1); 16-bit operands through one of three paths:
+    ``onednn`` (oneDNN's micro-kernel inside torch, on AMX or AVX-512 BF16/FP16 units), ``mkl`` (MKL's
+    ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32``) or ``aten`` (token blocks upcast to fp32,
+    then ``addmm_``). All three sum exact products in fp32 with beta = 1 and differ only in the order of
+    the sums, so the choice is a rule of the CPU (``mkl`` where oneDNN's micro-kernel takes the dtype,
+    i.e. AMX, else ``aten``): every process of a job, and a resumed run, takes the same path.
+    ``LIGHTNING_AMP_WGRAD_CPU_GEMM`` pins one, or ``fastest`` times them once per process.
     No path materialises the full product. The fallback (no extension) builds the fp32 product
     (on CUDA with the 16-bit GEMM, ``out_dtype=torch.float32``) and adds it.
     """

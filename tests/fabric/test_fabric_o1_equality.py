@@ -8,8 +8,9 @@ for bit, losses and weights, over any number of steps. With the default ``fused_
 the last bits of the fp32 weights (1-2 ulp per step: another order of the same operations; Adam divides a
 near-zero grad by ~eps, so a few weights drift further apart, 1e-4 after 8 steps here). A bf16 forward rounds
 the weights to 8 bits of mantissa: the losses stay equal until one of them lands on the other side of a bf16
-rounding boundary, then part at bf16's resolution (here from step 4; the issue saw step 2-3 on another loop),
-within ``FUSED_LOSS_TOL`` of ``bf16-mixed``.
+rounding boundary, then part at bf16's resolution (from step 4 on an AVX-512 Xeon, step 2 on an AVX2-only EPYC:
+where the CPU's bf16 rounding lands; the issue saw step 2-3 on another loop), within ``FUSED_LOSS_TOL`` of
+``bf16-mixed``.
 """
 import lightning as L
 import torch
@@ -67,7 +68,8 @@ def test_default_fused_update_is_within_bf16_resolution_not_bitwise():
     ref_losses, ref_weights = _train("bf16-mixed")
     losses, weights = _train(FabricAmpO1Precision(dtype="bfloat16"))
     rel = (losses - ref_losses).abs() / ref_losses.abs()
-    assert torch.equal(losses[:2], ref_losses[:2])  # the same forward on weights 1-2 ulp apart
-    assert not torch.equal(losses, ref_losses)  # the premise: the fused update parts them
+    assert torch.equal(losses[0], ref_losses[0])  # the same first forward: the weights are equal until a step
+    # the premise: the fused update parts the weights. When the losses part depends on where the CPU's bf16
+    # rounding lands (step 2 on an AVX2-only EPYC, step 4 on an AVX-512 Xeon), so no later loss is compared exactly
     assert not all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     assert rel.max() <= FUSED_LOSS_TOL, rel

@@ -1,9 +1,10 @@
 """A patched or hooked optimizer ``step`` under Fabric runs, and gets the ``closure=`` a loop passed to
-``optimizer.step``, as under Fabric's own ``bf16-mixed`` (which hands it to ``optimizer.step``); the closure runs
-once per step either way."""
+``optimizer.step``, as under Fabric's own ``bf16-mixed`` (which hands it to ``optimizer.step``); where the loss is
+scaled (float16) it is called without it, as ``GradScaler.step`` calls it. The closure runs once per step."""
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.plugins import MixedPrecision
 
 from lightning_amp.fabric import FabricAmpO1Precision, FabricAmpO2Precision
 
@@ -52,4 +53,17 @@ def test_a_patched_or_hooked_step_gets_the_closure_as_under_bf16_mixed(plugin, h
     assert ref_calls == calls == 3
     assert len(seen) == len(ref_seen) == 3
     assert all(callable(c) for c in ref_seen + seen)
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize("how", ["class", "pre_hook"])
+@pytest.mark.parametrize("plugin", [FabricAmpO1Precision, FabricAmpO2Precision])
+def test_a_scaled_loss_steps_without_the_closure_as_grad_scaler_does(plugin, how, monkeypatch):
+    """float16: Fabric's ``16-mixed`` steps through ``GradScaler.step``, which calls ``step`` without a closure
+    (and refuses a loop's closure); ours runs the loop's closure once, then calls ``step`` as GradScaler does."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        _run(MixedPrecision("16-mixed", "cpu", scaler=scaler), how, monkeypatch)
+    seen, calls, params = _run(plugin(dtype="float16", init_scale=2.0 ** 8), how, monkeypatch)
+    assert calls == 3 and seen == [None] * 3
     assert all(torch.isfinite(p).all() for p in params)

@@ -188,6 +188,14 @@ MAKERS = {
 }
 
 
+# fp32 results of two implementations of the same update from the same stored values: each is a chain of about n
+# roundings, each relative to the magnitudes of its terms, so they lie within 2 n u of max|y| whatever the order
+# of operations or the use of FMA (ATen's vector width, ATEN_CPU_CAPABILITY=default's scalar loops). n: Adam and
+# SGD ~16 (decay, moments, sqrt, eps, quotient, step size); Adadelta squares its update into acc_delta, doubling
+# the chain (2.9e-6 = 48 u measured with ATen's loops scalar). A skipped write moves results by ~1e-3 or more.
+FP32_ROUNDINGS = {"adam": 16, "adam_master": 16, "sgd": 16, "adadelta": 32}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_extension_matches_fallback(name, dtype, monkeypatch):
@@ -205,7 +213,7 @@ def test_extension_matches_fallback(name, dtype, monkeypatch):
     # kernel's second pass recomputes the update from the stored, 16-bit-rounded moments (the fallback
     # keeps them in fp32): a relative difference of the update of ~1.5 * 2**-9 (m, sqrt(v)); bound 2**-7
     lamb = name == "lamb"
-    fp32_rtol, ties = (1e-4, 0.05) if lamb else (1e-6, 1e-3)
+    fp32_rtol, ties = (1e-4, 0.05) if lamb else (2 * FP32_ROUNDINGS[name] * 2.0 ** -24, 1e-3)
     for i in range(3):
         before = [y.detach().float() for y in b]
         grads = [torch.randn(p.shape, generator=gen).to(dtype) * 8 for p in init]

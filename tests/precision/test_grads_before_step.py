@@ -38,8 +38,15 @@ LEVELS = {  # level -> plugin arguments; O0 with a static power-of-two scale div
     "O0": dict(opt_level="O0", loss_scale=1024.0),
     "O1": dict(opt_level="O1", dtype="float16"),
     "O2": dict(opt_level="O2", dtype="float16"),
-    "O3": dict(opt_level="O3", dtype="float16", loss_scale="dynamic"),
+    # 2**10 at O3 (see O3_DRIFT): its float16 weights may have grown enough by the third step to overflow at 2**16
+    "O3": dict(opt_level="O3", dtype="float16", loss_scale="dynamic", init_scale=2.0 ** 10),
 }
+# O3 keeps Adam's moments in float16, as Lightning's 16-true does: (1 - beta2) * g**2 underflows to 0 for small
+# grads and m / eps moves those weights by orders of magnitude (the embedding's largest weight 4.1 -> 252 at the
+# second step on an AVX2-only EPYC; whether and where depends on the CPU's float16 rounding), so its later norms
+# are compared only against the effect named: unscaled grads, not 2**10 times them. A factor of
+# sqrt(2**10) = 32 lies halfway between, on a log scale.
+O3_DRIFT = 2.0 ** 5
 
 
 @pytest.fixture(autouse=True)
@@ -118,8 +125,9 @@ def _assert_norms_match(norms, reference, level):
     # float16: the first step (equal weights, same batch) within rounding; later steps follow float16
     # trajectories that drift apart (up to 1.44x measured, O3 FusedLAMB), still far from any scale (>= 2**10)
     assert abs(norms[0] - reference[0]) <= HALF_RTOL * reference[0], (norms, reference)
+    drift = O3_DRIFT if level == "O3" else 2
     for ours, ref in zip(norms, reference):
-        assert ref / 2 <= ours <= 2 * ref, (norms, reference)
+        assert ref / drift <= ours <= drift * ref, (norms, reference)
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
