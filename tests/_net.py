@@ -1,14 +1,39 @@
 """Helpers shared by the multi-process tests (gloo on loopback)."""
 import os
+import random
 import socket
 import subprocess
+import time
+
+
+def _ephemeral_range() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free right now (for MASTER_PORT), outside the kernel's ephemeral range.
+
+    Port 0 would hand out an ephemeral port: the range every outgoing connection draws from, gloo's many
+    rank-to-rank connections included, so between this call and the rank that binds it the port could be taken
+    (more likely on a loaded machine). A random port below that range, checked free, is not handed out by the
+    kernel to anyone else."""
+    ephemeral = _ephemeral_range()
+    candidates = [p for p in range(10000, 65535) if p not in ephemeral]
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port outside the ephemeral range on 127.0.0.1 after 200 tries")
 
 
 def run_two_ranks(argv: list, pythonpath: list, timeout: float = 600) -> None:

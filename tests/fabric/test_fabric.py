@@ -4,7 +4,6 @@ against Fabric's own precisions, exact resume through fabric.save/fabric.load, s
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from lightning_amp.fabric import FabricAmpO2Precision, FabricAmpPrecision
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import fabric_tiny_gpt as gpt  # noqa: E402
+from _net import free_port  # noqa: E402
 
 STEPS = 4
 
@@ -104,9 +104,7 @@ def test_two_processes_match_one_and_skip_together(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["MASTER_ADDR"] = "127.0.0.1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        env["MASTER_PORT"] = str(sock.getsockname()[1])
+    env["MASTER_PORT"] = str(free_port())
     args = ["--precision", "O2", "--steps", str(STEPS), "--inject-inf-at", "1"]
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "fabric_tiny_gpt.py"), *args, "--devices", "2",
                            "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)

@@ -8,12 +8,13 @@ happens on the fp32 Parameters, and the grads of the no_sync micro-batch must st
 ranks (by DDP itself now): the 2-rank run must match a 1-process run that sees both ranks' samples in each batch.
 """
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from _net import free_port
 
 SCRIPT = Path(__file__).with_name("precision_ddp_script.py")
 GRAPH_SCRIPT = Path(__file__).with_name("ddp_graph_script.py")
@@ -26,9 +27,7 @@ def _run(out_dir: Path, devices: int, script: Path = SCRIPT) -> None:
     env["MASTER_ADDR"] = "127.0.0.1"
     # the ranks import this checkout's lightning_amp, not whichever one the environment has installed
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2])] + [p for p in [env.get("PYTHONPATH")] if p])
-    with socket.socket() as sock:  # a free port for this run
-        sock.bind(("127.0.0.1", 0))
-        env["MASTER_PORT"] = str(sock.getsockname()[1])
+    env["MASTER_PORT"] = str(free_port())
     proc = subprocess.run(
         [sys.executable, str(script), str(out_dir)] + ([str(devices)] if script == SCRIPT else []),
         env=env, capture_output=True, text=True, timeout=240,
