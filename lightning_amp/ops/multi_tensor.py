@@ -134,7 +134,9 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> 
 
 
 def _l2norm_fallback(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Pure-PyTorch multi_tensor_l2norm: (global norm, per-tensor norms), fp32. Checks what the kernels refuse."""
+    """Pure-PyTorch multi_tensor_l2norm: (global norm, per-tensor norms), fp32, accumulated in float64 as the
+    kernels accumulate (torch's fp32 reduction is off by ~1e-5 on a 1M-element tensor). Checks what the kernels
+    refuse."""
     _check_list("multi_tensor_l2norm", "tensors", tensors, tensors[0].device)
-    each = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
-    return torch.linalg.vector_norm(each), each
+    each = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])
+    return torch.linalg.vector_norm(each).float(), each.float()

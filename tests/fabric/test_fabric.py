@@ -3,6 +3,7 @@ against Fabric's own precisions, exact resume through fabric.save/fabric.load, s
 2 processes (gloo, real processes), and the refusals of combinations that cannot work."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -34,35 +35,26 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _key_bias_apart(a: dict, b: dict) -> tuple:
-    """Largest |a - b| over the attention key biases (``k_proj.bias``), and over the rest."""
-    key_bias, rest = 0.0, 0.0
-    for k in a:
-        diff = (a[k] - b[k]).abs().max().item()
-        if k.endswith("k_proj.bias"):
-            key_bias = max(key_bias, diff)
-        else:
-            rest = max(rest, diff)
-    assert any(k.endswith("k_proj.bias") for k in a), "the example's attention has no key bias any more"
-    return key_bias, rest
-
-
-def test_levels_train_like_fabric_precisions():
+def test_levels_train_like_fabric_precisions(monkeypatch):
     """After 4 steps (2 micro-batches each, clipping, AdamW) every level is as close to Fabric's fp32 run
     as the Fabric precision of the same dtype: O0 ~ 32-true, O1/O2 ~ bf16-mixed, O3 ~ bf16-true."""
     runs = {p: _run(p)["weights"] for p in ("32-true", "bf16-mixed", "bf16-true", "O0", "O1", "O2", "O3")}
     ref = runs["32-true"]
     err = {p: _max_diff(w, ref) for p, w in runs.items()}
     print(err)
-    # O0 steps AdamW in lightning-amp's fused kernel (fused_update=False: bitwise 32-true), 1-2 ulp from torch's
-    # AdamW per step (on fixed grads it meets the same fp64 rounding budget as torch's, test_optimizers.py).
-    # The runs part by 6e-5 after 4 steps only in the attention key biases: their exact gradient is 0 (softmax
-    # ignores a constant added to a row of logits), the computed one is rounding noise (~1e-11, random sign)
-    # that Adam divides by ~eps = 1e-8 into moves of ~lr/100, so weights 1 ulp apart give other noise and other
-    # moves. torch's own AdamW(fused=True) lands 9.7e-5 from its default AdamW there; elsewhere O0 is 2.4e-7
-    # (1-2 ulp) from 32-true. bf16 is ~100x the key-bias noise.
-    key_bias, rest = _key_bias_apart(runs["O0"], ref)
-    assert rest < 1e-6 and key_bias < 0.02 * err["bf16-mixed"], (rest, key_bias, err)
+    # O0 with torch's own AdamW step (fused_update=False) runs 32-true's kernels on the same values in the same
+    # order: bitwise on any CPU, so anything else O0 does to the loop (a cast, a scale, another clip) shows.
+    monkeypatch.setattr(gpt, "FabricAmpPrecision", functools.partial(FabricAmpPrecision, fused_update=False))
+    unfused = _run("O0")["weights"]
+    monkeypatch.undo()
+    for key, value in ref.items():
+        assert torch.equal(unfused[key], value), key
+    # The default O0 steps AdamW in lightning-amp's fused kernel, 1-2 ulp from torch's AdamW per step (its fidelity on
+    # fixed grads, within derived rounding budgets: tests/optimizers/test_optimizers.py, test_kernel_step.py). It is
+    # not compared with 32-true here: weights whose exact gradient is 0 (the attention key biases: softmax ignores a
+    # constant added to a row of logits) or near it get rounding noise that Adam divides by ~eps into moves of up to
+    # ~lr, so weights 1 ulp apart give other noise and other moves, by amounts that follow the CPU's rounding (6.5e-5
+    # on the key biases, 3.4e-7 on an fc1 weight, on an AVX2-only EPYC) and that no rounding bound limits below lr.
     assert err["bf16-mixed"] > 1e-4 and err["bf16-true"] > err["bf16-mixed"], err  # the bf16 effect is visible
     assert err["O1"] <= 2 * err["bf16-mixed"], err
     assert err["O2"] <= 2 * err["bf16-mixed"], err

@@ -28,7 +28,11 @@ def test_cached_plan_follows_grads_and_groups_like_torch():
             ref_opt.step()
             assert (opt._plan is not None) == (i not in (0, 2, 4)), (fused_cls, i)  # built on full, clean steps
             for p, q in zip(ours, ref):
-                assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), (fused_cls, i, (p - q).abs().max())
+                # our kernel vs torch's step on the same grads: each step adds at most 2 n u (n = 16 roundings, as
+                # tests/optimizers/test_optimizers.py's FP32_ROUNDINGS) of the param's and its grad's size, on any CPU
+                # (FMA or not); a stale plan (a param stepped without its grad, a new group left out) moves ~lr = 1e-2
+                size = max(q.abs().max(), 1.0)  # params ~1, grads N(0, 1)
+                assert (p - q).abs().max() <= (i + 1) * 2 * 16 * 2.0 ** -24 * size, (fused_cls, i, (p - q).abs().max())
         before = [p.clone() for p in ours]
         opt.step(found_inf=torch.ones(()))  # the cached plan honours found_inf
         assert all(torch.equal(a, b) for a, b in zip(before, ours))
