@@ -235,10 +235,11 @@ def test_auto_plan_finds_each_family_layout():
 def test_plan_refuses_what_cannot_be_split_and_changes_nothing():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    gqa = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
-                                       num_key_value_heads=1, intermediate_size=FFN))
+    gqa = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                                       num_key_value_heads=3, intermediate_size=FFN))
     before = {k: v.clone() for k, v in gqa.state_dict().items()}
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn key/value heads.*GQA.*=1 not divisible"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn .*: 3 key/value heads neither divisible by "
+                                         r"tensor_parallel_size=2 nor dividing it"):
         build_plan(gqa, "auto", 2)
     bert = hf_models()["bert"]
     with pytest.raises(ValueError, match=r"bert\.encoder\.layer\.0\.attention\.self\.num_attention_heads=4 not divisible by tensor_parallel_size=8"):
