@@ -143,9 +143,14 @@ def _replicated(tensor: Tensor) -> nn.Parameter:
 
 
 def fused_qkv_parallel(weight: Tensor, bias: Optional[Tensor], heads: QKVHeads, group: Any = None,
-                       **linear_kwargs) -> nn.Module:
-    """The tensor-parallel replacement of a fused ``[q | k | v]`` Linear with ``heads`` (see the module docstring)."""
+                       transposed: bool = False, **linear_kwargs) -> nn.Module:
+    """The tensor-parallel replacement of a fused ``[q | k | v]`` Linear with ``heads`` (see the module docstring);
+    ``transposed``: the weight is stored ``[in, out]`` (``transformers``' ``Conv1D``; its key/value heads are split,
+    never replicated)."""
     if heads.replicated(group_size(group)):
+        if transposed:
+            raise ValueError(f"fused_qkv_parallel: {heads} at tensor_parallel_size={group_size(group)}: the key/value "
+                             "heads of a Conv1D [in, out] projection cannot be replicated")
         return ReplicatedKVColumnParallel(weight, bias, heads, group, **linear_kwargs)
     return ColumnParallelLinear.from_weights(weight, bias, group, blocks=heads.blocks, gather_output=False,
-                                             **linear_kwargs)
+                                             transposed=transposed, **linear_kwargs)

@@ -124,6 +124,9 @@ def attention_unit(model: nn.Module, members: list[str], out: str, tp: int, cach
         unit.problem = f"{where} ({shape.describe(tp)}): {outcome.problem}"
         return unit
     if shape.layout == "blocks":
+        if members[0] in unit.transposed and shape.replicated(tp):
+            unit.problem = f"{where} ({shape.describe(tp)}): a Conv1D [in, out] projection's key/value heads cannot be replicated"
+            return unit
         unit.qkv_heads = {members[0]: QKVHeads(shape.n_head, shape.n_kv, shape.head_size)}
     elif shape.layout == "chunks":
         unit.chunks = {members[0]: 3}
@@ -351,7 +354,7 @@ class _Reading:
         widths = self._local_widths(tp)
         changes = [{k: v for k, v in zip(names, combo) if v != current[k]} for combo in combos]
         changes.sort(key=len)  # the fewest changed attributes first; all of the first size that works are compared
-        good, first_problem = [], None
+        good, problems = [], {}
         for changed in changes:
             if good and len(changed) > len(good[0]):
                 break
@@ -359,9 +362,13 @@ class _Reading:
                            None)
             if problem is None:
                 good.append(changed)
-            first_problem = first_problem or problem
+            problems[tuple(sorted(changed.items()))] = problem
         if not good:
-            raise _Unsplittable(first_problem if len(changes) == 1 else self._no_solution(names, current))
+            if len(changes) == 1:
+                raise _Unsplittable(problems[()])
+            most = max(problems, key=len)  # every candidate at a per-rank value: what goes wrong then
+            tried = ", ".join(f"{_key(k)}={v}" for k, v in most)
+            raise _Unsplittable(f"{self._no_solution(names, current)}; with {tried}: {problems[most]}")
         if any(g != good[0] for g in good[1:]):
             raise _Unsplittable(f"its attributes {_keys(names)} can take the per-rank head counts in more than one way")
         return good[0]

@@ -231,7 +231,7 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
         transposed = name in unit.transposed
         if name in unit.qkv_heads:
             heads = unit.qkv_heads[name]
-            new = fused_qkv_parallel(child.weight, child.bias, heads, group, **extra)
+            new = fused_qkv_parallel(child.weight, child.bias, heads, group, transposed=transposed, **extra)
             local = heads.local(group_size(group))
             detail = (f"[q | k | v] heads {heads.n_head}/{heads.n_query_groups} -> {local.n_head}/{local.n_query_groups}"
                       + ("/rank, key/value replicated" if isinstance(new, ReplicatedKVColumnParallel) else "/rank"))
@@ -251,7 +251,8 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
                                                  input_is_parallel=True, **extra)
             detail = f"in {new.in_features} -> {new.in_per_rank}/rank"
         setattr(parent, attr, new)
-        rows.append(Conversion(name, type(child).__name__, "column" if name in unit.columns else "row", detail))
+        kind = "replicated" if name in unit.replicated_heads else "column" if name in unit.columns else "row"
+        rows.append(Conversion(name, type(child).__name__, kind, detail))
     return rows
 
 

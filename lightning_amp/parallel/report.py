@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Conversion:
-    """One layer converted: its path, its class before, its kind ("column" | "row" | "attention" | "seq-split")
-    and what each rank holds."""
+    """One layer converted: its path, its class before, its kind ("column" | "row" | "replicated": key/value heads
+    kept whole | "attention": ``nn.MultiheadAttention`` | "seq-split") and what each rank holds."""
 
     name: str
     original: str
@@ -53,7 +53,7 @@ class PlanReport:
         width = max((len(r.name) for r in self.conversions), default=0)
         for unit in self.split:
             lines.append(f"  {unit.family} (found by {unit.found_by})" + (f": {unit.heads}" if unit.heads else ""))
-            lines += [f"    {r.name:<{width}}  {r.original:<18} {r.kind:<9} {r.detail}" for r in unit.layers]
+            lines += [f"    {r.name:<{width}}  {r.original:<10} {r.kind:<10} {r.detail}" for r in unit.layers]
             if unit.attributes:
                 lines.append("    per rank: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in unit.attributes.items()))
         if self.sequence:

@@ -1,9 +1,11 @@
 """Copies of other people's classes with their attributes renamed to arbitrary names: the class's own source with
 every ``.old`` attribute access replaced by ``.new``, executed in its module's namespace, and models whose instances
 are switched to the renamed class with their attributes (children, params, ints, configs) renamed alike. What the
-plan finds in a renamed model it found by structure: no name of the original is left."""
+plan finds in a renamed model it found by structure: no name of the original is left. Instances pickle (a spawned
+rank rebuilds the renamed class from the original and the names)."""
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
@@ -13,7 +15,21 @@ from torch import nn
 
 
 def renamed_class(cls: type, names: dict[str, str]) -> type:
-    """``cls`` compiled from its own source with the attribute accesses ``.old`` of ``names`` written ``.new``."""
+    """``cls`` compiled from its own source with the attribute accesses ``.old`` of ``names`` written ``.new`` (one
+    class per ``cls`` and ``names`` in a process)."""
+    return _renamed(cls, tuple(names.items()))
+
+
+def _rebuild(cls: type, names: tuple, state: dict) -> nn.Module:
+    renamed = _renamed(cls, names)
+    module = renamed.__new__(renamed)
+    module.__setstate__(state)
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _renamed(cls: type, pairs: tuple) -> type:
+    names = dict(pairs)
     source = textwrap.dedent(inspect.getsource(cls))
     for old, new in names.items():
         source = re.sub(rf"(?<=\.){re.escape(old)}\b", new, source)
@@ -22,6 +38,7 @@ def renamed_class(cls: type, names: dict[str, str]) -> type:
     exec(compile(source, f"<{cls.__qualname__} renamed>", "exec"), namespace)  # noqa: S102 (the class's own code)
     renamed = namespace[cls.__name__]
     renamed.__qualname__ = renamed.__name__ = f"Renamed{cls.__name__}"
+    renamed.__reduce_ex__ = lambda self, protocol: (_rebuild, (cls, pairs, self.__getstate__()))
     return renamed
 
 
