@@ -34,17 +34,17 @@ def as_rank(rank: int, tp: int):
 
 
 def simulate(full: nn.Module, run: Callable[[nn.Module], Tensor], tp: int):
-    """(plan, ranks' converted copies of ``full``, sum of ``run(rank copy)`` over the ranks)."""
+    """(plan, rank 0's plan report, ranks' converted copies of ``full``, sum of ``run(rank copy)`` over the ranks)."""
     with as_rank(0, tp):
         plan = build_plan(full, "auto", tp)
-    ranks, total = [], 0
+    ranks, reports, total = [], [], 0
     for rank in range(tp):
         copy_ = copy.deepcopy(full)
         with as_rank(rank, tp):
-            report = apply_checked_plan(copy_, plan, None, TensorParallelConfig())
+            reports.append(apply_checked_plan(copy_, plan, None, TensorParallelConfig()))
             total = total + run(copy_)
         ranks.append(copy_)
-    return plan, report, ranks, total
+    return plan, reports[0], ranks, total
 
 
 def backward(total: Tensor, grad: Tensor, tp: int) -> None:

@@ -91,6 +91,8 @@ def test_every_linear_but_the_vocabulary_head_is_split_and_reported(runs, name, 
     assert local[q][0] * tp == _one(name)["local_shapes"][q][0]
     assert [len(r["logged"]) for r in ranks] == [1] + [0] * (tp - 1)  # logged once, on rank 0
     assert ranks[0]["logged"][0].endswith(report["text"])
+    if (name, tp) == ("gqa8_2", 4):  # the example of docs/tensor-parallel.md, as this run printed it
+        assert report["text"] in (ROOT / "docs" / "tensor-parallel.md").read_text()
     if meta:  # its reshapes read n_local_heads / n_local_kv_heads: given one rank's values
         names = ("q_count", "kv_count") if renamed else ("n_local_heads", "n_local_kv_heads")
         changed = report["attributes"][0]
