@@ -15,8 +15,9 @@ compute (:mod:`~lightning_amp.parallel.structure`). Three things go beyond a pla
   attribute objects (a ``config`` read as ``self.config.n_head``) is read as an ``int`` subclass that remembers its
   key (:data:`Key`) and keeps it through arithmetic, so a reshape's arguments say which attributes gave them.
 * **other values**: ``values={key: int}`` and ``widths={layer path: (in, out)}`` read the forward as it would run
-  with those attribute values and layer widths (those of one tensor-parallel rank), on private shallow copies:
-  the module, its parameters and its attributes are never written.
+  with those attribute values and layer widths (those of one tensor-parallel rank), on private shallow copies
+  (of the modules, their plain objects and their lists, dicts and sets): the module, its parameters and its
+  attributes are never written, and the random number generator is left as it was.
 
 ``forward`` methods wrapped by decorators (``functools.wraps``, as ``transformers`` does) are read unwrapped.
 :class:`ForwardUnreadable` says why a forward cannot be read (fx's own reason).
@@ -324,6 +325,8 @@ def _private_tree(module: nn.Module, leaf) -> tuple[nn.Module, dict[str, Any]]:
                                     clone(_join(path, name), child))
                              for name, child in sub._modules.items()}
         for name, value in list(state.items()):
+            if not name.startswith("_") and isinstance(value, (list, dict, set)):
+                state[name] = copy.copy(value)  # a forward that appends to a list of its own appends to a copy
             if not name.startswith("_") and _plain_object(value):
                 if id(value) not in objects:
                     try:
@@ -397,7 +400,8 @@ def read_forward(module: nn.Module, hidden: Optional[int] = None, *, widths: Map
         for key, value in int_fields(owners).items():
             _set(owners, key, Tagged(values.get(key, value) if values else value, [key]))
         try:
-            graph = tracer.trace(root, concrete_args={k: v for k, v in defaults.items() if k not in unknown})
+            with torch.random.fork_rng(devices=[]):  # a forward that draws random numbers for real draws them here
+                graph = tracer.trace(root, concrete_args={k: v for k, v in defaults.items() if k not in unknown})
         except Exception as error:  # noqa: BLE001 (whatever the forward raised under tracing is the reason)
             first_error = first_error or error
             continue

@@ -19,6 +19,7 @@ import torch
 import torchtitan_llama as tt
 from _bounds import gamma
 from _optional import require
+from lightning_amp.parallel.plan import build_plan
 from renamed import rename_instances
 from simulated_ranks import backward, grad_errors, simulate
 
@@ -127,6 +128,23 @@ def test_renamed_litgpt_attention_is_found_by_structure(kv, tp):
     assert report.split[0].found_by == "structure"
     assert report.split[0].attributes["settings.n_head"] == (HEADS, HEADS // tp)
     assert shared.n_head == HEADS  # the config the model shares is not written
+
+
+def test_a_renamed_litgpt_model_is_split_by_structure():
+    """The whole GPT with its attention's and MLP's layers and config renamed: every block's attention and MLP
+    found by structure (the names fast path finds none), the vocabulary head left whole."""
+    litgpt = require("litgpt")
+    from litgpt.model import CausalSelfAttention, LLaMAMLP
+
+    config = litgpt.Config(n_layer=2, n_embd=DIM, n_head=HEADS, n_query_groups=2, vocab_size=64, block_size=16,
+                           mlp_class_name="LLaMAMLP", intermediate_size=128, norm_class_name="RMSNorm")
+    model = rename_instances(litgpt.GPT(config), CausalSelfAttention, {"qkv": "mix_in", "proj": "mix_out",
+                                                                       "config": "settings"})
+    rename_instances(model, LLaMAMLP, {"fc_1": "gate", "fc_2": "up", "proj": "down"})
+    plan = build_plan(model, "auto", 4)
+    assert [(u.family, u.found_by) for u in plan.units] == [("attention", "structure"), ("MLP", "structure")] * 2
+    assert plan.units[0].qkv_heads["transformer.h.0.attn.mix_in"].n_query_groups == 2  # replicated at tp=4
+    assert list(plan.whole) == ["lm_head"]
 
 
 def _hf_llama(kv):

@@ -23,7 +23,7 @@ from _optional import available
 
 ROOT = Path(__file__).resolve().parents[2]
 TP2 = ["mha", "gqa", "mqa", "renamed_meta_gqa"]
-TP4 = ["gqa8", "gqa8_2", "renamed_meta_gqa8_2"] + (["litgpt:llama_gqa"] if available("litgpt") else [])
+TP4 = ["gqa8", "gqa8_2", "mqa8", "renamed_meta_gqa8_2"] + (["litgpt:llama_gqa"] if available("litgpt") else [])
 
 
 def _launch(out: Path, names: list, world_size: int) -> dict:

@@ -28,6 +28,7 @@ CONFIGS = {
     "renamed_meta_gqa": (4, 2, True, True),
     "gqa8": (8, 4, False, False),
     "gqa8_2": (8, 2, False, False),
+    "mqa8": (8, 1, False, False),
     "renamed_meta_gqa8_2": (8, 2, True, True),
 }
 RENAMES = {
