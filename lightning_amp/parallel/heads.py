@@ -13,13 +13,16 @@ input shaped ``(2, 5, hidden)``:
   size, else replicated when it divides the TP size (Megatron's GQA/MQA layout: every rank keeps the key/value head
   its query heads use); any other count is a ``problem`` naming the counts;
 * the **attributes**: every int attribute of the owner and of the modules and plain objects (a ``config``) under it
-  that reaches the arguments of an op between the projections and the out-projection is a candidate. A candidate
-  whose value is a head count or width (``n_heads``, ``n_kv_heads``, ``n_rep``, ``n_heads * head_size``, ...) may
-  have to take that count's per-rank value; every combination of candidates is tried by reading the owner again as
-  one rank would run it (its projections at their per-rank widths, the attributes at the tried values) and the
-  combination whose query, key and value reach the product with the per-rank head counts, and the out-projection
-  its per-rank width, is kept (the fewest changed attributes when several do). None: a ``problem`` (a head count
-  written as a literal, a per-head tensor, a view that mixes heads) that names the module and the counts.
+  that reaches the arguments of an op on the way to the out-projection is a candidate. A candidate whose value is a
+  head count or width (``n_heads``, ``n_kv_heads``, ``n_rep``, ``n_heads * head_size``, ...) may have to take that
+  count's per-rank value; combinations of candidates are tried, the fewest changed attributes first, by reading the
+  owner again as one rank would run it (its projections at their per-rank widths, the attributes at the tried
+  values; once as it is and once with each optional input given, as a mask) and the combination under which every
+  reading's query, key and value reach the product with the per-rank head counts, and the out-projection gets its
+  per-rank width, is kept (two of the fewest changes that differ: ambiguous, refused). None: a ``problem`` (a head
+  count written as a literal, a per-head tensor, a view that mixes heads) that names the module and the counts.
+* **params used between** the projections and the out-projection (a norm over each head's features) see one rank's
+  heads only: the unit lists them so that their gradients are summed over the TP group.
 """
 from __future__ import annotations
 
@@ -33,12 +36,12 @@ import torch.fx as fx
 from torch import nn
 
 from lightning_amp.parallel.between import _elementwise
-from lightning_amp.parallel.families import Unit
 from lightning_amp.parallel.data_flow import products, reach, sources
+from lightning_amp.parallel.families import Unit
 from lightning_amp.parallel.forward_graph import (ForwardGraph, ForwardUnreadable, Key, optional_inputs, read_forward,
                                                   tags_of)
-from lightning_amp.parallel.projections import is_conv1d, is_projection, widths_of
 from lightning_amp.parallel.fused_qkv import QKVHeads
+from lightning_amp.parallel.projections import is_conv1d, is_projection, widths_of
 
 _MAX_TRIES = 256  # attribute combinations read at most per attention
 _SPLIT_METHODS = frozenset({"split", "chunk", "tensor_split"})
@@ -221,24 +224,21 @@ class _Reading:
     def _node(self, path: str) -> fx.Node:
         return next(n for n in self.graph.graph.nodes if n.op == "call_module" and n.target == path)
 
-    def _first_reshape(self, start: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-        """The first op after ``start`` (a projection) that is not elementwise, and the elementwise ops before it."""
-        passed, node = [], start
+    def _first_reshape(self, start: fx.Node) -> fx.Node:
+        """The first op after ``start`` (a projection) that is not elementwise (its output used once on the way)."""
+        node = start
         while True:
             users = list(node.users)
             if len(users) != 1:
                 raise _Unsplittable(f"the output of {start.target} is used {len(users)} times before it is split "
                                     "into heads")
             node = users[0]
-            if node.op in ("call_function", "call_method") and _elementwise(self.graph.module, node) and \
-                    node.target not in ("view", "reshape"):
-                passed.append(node)
-                continue
-            return node, passed
+            if not (node.op in ("call_function", "call_method") and _elementwise(self.graph.module, node)):
+                return node
 
     def _check_before_heads(self) -> None:
         for path in dict.fromkeys(self.members):
-            node, _ = self._first_reshape(self._node(path))
+            node = self._first_reshape(self._node(path))
             if not (node.op in ("call_function", "call_method") and (
                     node.target in ("view", "reshape", "unflatten", "split", "chunk", "tensor_split")
                     or node.target in (torch.reshape, torch.split, torch.chunk))):
@@ -253,7 +253,7 @@ class _Reading:
                 raise _Unsplittable(f"projection widths {q}, {k}, {v} are not whole heads of {d}")
             return AttentionShape(q // d, k // d, d, dv, "separate")
         fused = self._node(self.members[0])
-        split, _ = self._first_reshape(fused)
+        split = self._first_reshape(fused)
         width = widths_of(self._layer(self.members[0]))[1]
         value = self.graph.value(split)
         if split.target in _SPLIT_METHODS and isinstance(value, (tuple, list)) and len(value) == 3:

@@ -69,6 +69,7 @@ def find_structural_units(model: nn.Module, claimed: Iterable[str], tp: int) -> 
     claimed = set(claimed)
     found = StructuralPlan()
     notes: dict[str, str] = {}
+    layouts: dict[str, str] = {}  # an attention's projections in a layout the plan does not split: that is why
     cache: dict = {}  # attentions of one class and attribute values are read once
     for path, module in model.named_modules():  # parents first; a child is read when its parent left it unexplained
         if _leaf(module):
@@ -82,7 +83,7 @@ def find_structural_units(model: nn.Module, claimed: Iterable[str], tp: int) -> 
             found.unreadable[path] = str(error)
             continue
         found.seen.update(_join(path, n.target) for n in graph.graph.nodes if graph.layer(n) is not None)
-        for unit in _attention_units(model, path, graph, claimed, tp, cache):
+        for unit in _attention_units(model, path, graph, claimed, tp, cache, layouts):
             claimed.update(unit.members)
             found.units.append(unit)
         for unit in _mlp_units(path, graph, claimed, notes, tp):
@@ -90,7 +91,7 @@ def find_structural_units(model: nn.Module, claimed: Iterable[str], tp: int) -> 
             found.units.append(unit)
     for path, module in model.named_modules():
         if is_projection(module) and path not in claimed:
-            found.whole[path] = notes.get(path) or _unread_reason(path, found.unreadable)
+            found.whole[path] = layouts.get(path) or notes.get(path) or _unread_reason(path, found.unreadable)
     return found
 
 
@@ -105,7 +106,8 @@ def _unread_reason(path: str, unreadable: dict[str, str]) -> str:
 
 # ------------------------------------------------------------------------------------------------- attention
 
-def _attention_units(model: nn.Module, base: str, fg: ForwardGraph, claimed: set, tp: int, cache: dict) -> list[Unit]:
+def _attention_units(model: nn.Module, base: str, fg: ForwardGraph, claimed: set, tp: int, cache: dict,
+                     notes: dict[str, str]) -> list[Unit]:
     units = []
     for q, k, v, result in products(fg):
         streams = [sources(fg, a) for a in (q, k, v)]
@@ -117,8 +119,11 @@ def _attention_units(model: nn.Module, base: str, fg: ForwardGraph, claimed: set
         names = [_join(base, n.target) for n in layers + out_layers]
         if claimed.intersection(names) or len(out_layers) != 1:
             continue
-        if len({n.target for n in layers}) == 2:
-            continue  # key and value fused, query apart (or the like): not a layout the plan splits
+        if len({n.target for n in layers}) == 2:  # key and value fused, query apart (or the like)
+            for name in names:
+                _note(notes, name, "an attention whose query, key and value come from two projections (one fused "
+                                   "for two of them): not a layout tp_fused splits")
+            continue
         members = list(dict.fromkeys(_join(base, n.target) for n in layers))
         units.append(attention_unit(model, members, _join(base, out_layers[0].target), tp, cache))
     return units
