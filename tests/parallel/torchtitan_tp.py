@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import torchtitan_llama as tt
-from lightning_amp.fabric import TensorParallelStrategy
+from lightning_amp.fabric import FabricAmpPrecision, TensorParallelStrategy
 from renamed import rename_instances
 
 VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 3
@@ -63,10 +63,11 @@ class _Reports(logging.Handler):
             self.texts.append(record.getMessage())
 
 
-def train(name: str, devices: int = 1) -> dict:
+def train(name: str, devices: int = 1, precision: str = "32-true") -> dict:
     """3 SGD steps (momentum) of ``model(name)`` from seed 0: per step the loss and the full fp32 weights (gathered
     under tp_fused); the local shapes, the logits of a probe batch, the plan report (the object's summary and the
-    text logged in this process), and the gathered weights loaded back into the TP model and gathered again."""
+    text logged in this process), and the gathered weights loaded back into the TP model and gathered again.
+    ``precision``: Fabric's, or "O2" (lightning-amp's, bf16)."""
     if name.startswith("litgpt:"):
         import litgpt_tp
 
@@ -74,8 +75,9 @@ def train(name: str, devices: int = 1) -> dict:
     reports = _Reports()
     logger = rank_zero_module.log  # the logger Lightning's rank_zero_info writes to (Lightning sets it at import)
     logger.addHandler(reports)
+    plugins = [FabricAmpPrecision(opt_level=precision, dtype="bfloat16")] if precision.startswith("O") else None
     fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=TensorParallelStrategy() if devices > 1 else "auto",
-                      precision="32-true")
+                      plugins=plugins, precision=None if plugins else precision)
     fabric.launch()
     module = fabric.setup(model(name))
     optimizer = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9))
@@ -84,14 +86,14 @@ def train(name: str, devices: int = 1) -> dict:
     data = torch.randint(VOCAB, (STEPS, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     losses, weights = [], []
     for tokens in data:
-        loss = F.cross_entropy(module(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss = F.cross_entropy(module(tokens[:, :-1]).float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
         weights.append({k: v.detach().float().clone() for k, v in state(inner).items()})
     result = dict(losses=losses, weights=weights, probe_tokens=data[0, :, :-1],
-                  probe=inner(data[0, :, :-1]).detach(), local_shapes={k: tuple(v.shape) for k, v in inner.state_dict().items()},
+                  probe=inner(data[0, :, :-1]).detach().float(), local_shapes={k: tuple(v.shape) for k, v in inner.state_dict().items()},
                   logged=reports.texts)
     logger.removeHandler(reports)
     if devices > 1:
