@@ -1,4 +1,4 @@
-"""Per-family layouts for ``plan="auto"``: which layers of a known model family form a tensor-parallel unit.
+"""Per-family layouts, the fast path of ``plan="auto"``: which layers of a known model family form a unit.
 
 A :class:`Unit` is a set of layers converted together: column-parallel layers whose split outputs
 feed only the unit's row-parallel layers (Megatron's column -> row pairing), the module whose
@@ -13,19 +13,23 @@ BERT/RoBERTa attention (``transformers``)   ``self.query``, ``self.key``, ``self
 BERT/RoBERTa MLP                            ``intermediate.dense``                           ``output.dense``
 GPT-2 attention (``Conv1D``)                ``c_attn`` (fused QKV: q, k, v each split)       ``c_proj``
 GPT-2 MLP (``Conv1D``)                      ``c_fc``                                         ``c_proj``
-Llama/Mistral-style attention               ``q_proj``/``query``, ``k_proj``, ``v_proj``     ``o_proj``
+Llama/Mistral-style attention [*]           ``q_proj``/``query``, ``k_proj``, ``v_proj``     ``o_proj``
 litgpt ``CausalSelfAttention``              ``qkv`` (fused ``[q | k | v]``, GQA/MQA heads)   ``proj``
 named MLPs (Llama, Falcon, OPT, litgpt...)  ``gate_proj``/``up_proj``/``fc1``/``fc_1``/...   ``down_proj``/``fc2``/``proj``/...
 ``nn.Sequential``                           ``Linear``, elementwise modules, ``Linear``: first -> column, last -> row
 =========================================  ===============================================  =====================
 
+[*] :data:`FALLBACK_MATCHERS`: used only where torch.fx cannot read the module's forward; elsewhere
+:mod:`~lightning_amp.parallel.structure` finds these attentions (and any other) by what their forward computes.
+
 Attention heads are split whole: the query heads and the key/value heads (GQA) must both divide by
 the TP size, else :func:`lightning_amp.parallel.plan.build_plan` raises naming the module; litgpt's
 key/value heads may instead be fewer than the ranks and divide the TP size: they are then replicated
 (:mod:`~lightning_amp.parallel.fused_qkv`), and its attention gets a per-rank copy of its ``config``
-with the local ``n_head``/``n_query_groups`` (the model's own ``Config`` is not changed). Matching
-is by structure (child names and types, head attributes), not by class name, so renamed copies of
-these blocks (RoBERTa, ELECTRA, Mistral, Qwen2, ...) are found too.
+with the local ``n_head``/``n_query_groups`` (the model's own ``Config`` is not changed); its per-head
+``norm_q``/``norm_k`` have their gradients summed over the TP group. Matching is on child names and types,
+not class names, so copies of these blocks under other class names (RoBERTa, ELECTRA, ...) are found too;
+renamed layers are left to the structure.
 """
 from __future__ import annotations
 

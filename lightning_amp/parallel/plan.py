@@ -1,22 +1,24 @@
 """Which layers become tensor-parallel (the plan), its validation, and the in-place conversion.
 
-``plan="auto"`` uses the per-family layouts of :mod:`~lightning_amp.parallel.families`
-(``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa, GPT-2, Llama/Mistral-style
-q/k/v/o and gate/up/down, litgpt's fused ``[q | k | v]`` attention and MLPs, MLPs in ``nn.Sequential``). An explicit plan
-``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead* (fnmatch globs on
-names from ``named_modules()``); a set of explicit layers that forms a family unit gets that unit's
-layout (fused QKV, ``Conv1D``, head attributes), other layers pair by parent: a column layer's output
-stays split when its parent also holds a row layer of the plan, else it is gathered.
+``plan="auto"`` takes the units of :mod:`~lightning_amp.parallel.auto_units`: the known layouts of
+:mod:`~lightning_amp.parallel.families` (``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa,
+GPT-2, litgpt's fused ``[q | k | v]`` attention, named MLPs, MLPs in ``nn.Sequential``), then the attention blocks and
+MLPs :mod:`~lightning_amp.parallel.structure` finds by reading the forward of the rest (their heads and the attribute
+values one rank needs: :mod:`~lightning_amp.parallel.heads`), then q/k/v/o names where no forward can be read. An
+explicit plan ``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead* (fnmatch globs on names
+from ``named_modules()``); a set of explicit layers that forms one of those units gets that unit's layout (fused QKV,
+``Conv1D``, heads and head attributes), other layers pair by parent: a column layer's output stays split when its
+parent also holds a row layer of the plan, else it is gathered.
 
 :func:`build_plan` validates the whole plan *before anything changes*, raising ValueError naming
 the module paths when a column layer would feed anything but its row partner (a unit only partly in
 an explicit plan, a row layer without a column partner, a norm or reshape between a named MLP's layers:
-:mod:`~lightning_amp.parallel.between`, an explicit column wider than its row partner outside any family:
+:mod:`~lightning_amp.parallel.between`, an explicit column wider than its row partner outside any unit:
 a fused projection a contiguous split would cut), when a glob of an explicit plan matches no module,
-when heads or features do not divide by the TP size, or when nothing would be split (unless
-``allow_replicated``). So a model is either
+when heads or features do not divide by the TP size (key/value heads: nor divide it), when an attention found by
+structure cannot be read, or when nothing would be split (unless ``allow_replicated``). So a model is either
 converted as planned or left untouched: never half-converted. Conversion copies this rank's slice of
-the module's *current* weights.
+the module's *current* weights; :func:`convert_model` returns the :class:`~lightning_amp.parallel.report.PlanReport`.
 """
 from __future__ import annotations
 
