@@ -6,10 +6,13 @@ Fabric) with different hooks, but both expose ``num_nodes``, ``num_processes``, 
 tensor-parallel side once on those names; each strategy file only maps its framework's hooks onto it.
 Use it first in the bases: ``class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy)``.
 
-Contract of :meth:`TensorParallelStrategyMixin._setup_tensor_parallel`, the one setup of a model (top to
+Each strategy's setup first refuses a model that is tensor-parallel already
+(:meth:`TensorParallelStrategyMixin._refuse_already_parallel`: DTensor params, torch's TP hooks), before anything
+changes. Contract of :meth:`TensorParallelStrategyMixin._setup_tensor_parallel`, the one setup of a model (top to
 bottom): (1) rank 0's weights broadcast, (2) the plan applied in place (this rank's slices), then the RNG
 agreed within the TP group, (3) the precision plugin's cast and the move to the device, (4) the fp32
-``main_grad`` buffer attached. Steps 1-2 are skipped for a model converted already (an earlier ``fit``).
+``main_grad`` buffer attached. Steps 1-2 are skipped for a model converted already (an earlier ``fit``). The plan
+report is logged on rank 0 after step 2 and kept as :attr:`TensorParallelStrategyMixin.plan_report`.
 """
 from __future__ import annotations
 
