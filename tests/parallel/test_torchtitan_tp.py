@@ -4,7 +4,7 @@ renamed, under Fabric(strategy="tp_fused") on real gloo ranks, against one proce
 head split (the attention found by structure), MHA, GQA and MQA with key/value heads split and replicated at tp=2
 (2 ranks) and tp=4 (4 ranks: 2 key/value groups replicated, where a rank that picks the wrong key/value head shows);
 litgpt's fused [q | k | v] with 2 groups at tp=4 too (tests/parallel/litgpt_tp.py's loop). fp32: every step's loss
-and every weight within 1e-5 relative of one process; the gathered checkpoint loads strictly into the plain model,
+and every weight within 1e-5 relative of one process (measured: losses <= 1.2e-7, weights <= 2.2e-7); the gathered checkpoint loads strictly into the plain model,
 which then computes the TP model's logits, and loads back into the TP model exactly; the plan report is logged once,
 on rank 0, and kept as ``fabric.strategy.plan_report``. O2 (bf16) with the key/value head kept whole: within bf16
 rounding of one process at O2."""
@@ -68,9 +68,11 @@ def test_fp32_matches_one_process_each_step(runs, name, tp):
     one, ranks = _one(name), runs[(name, tp)]
     first, last = one["weights"][0], one["weights"][-1]
     assert min((last[k] - first[k]).abs().max().item() for k in first) > 1e-4  # every tensor trained
-    for step in range(len(one["losses"])):
-        assert abs(ranks[0]["losses"][step] - one["losses"][step]) / one["losses"][step] < 1e-5, step
-        assert _relative(ranks[0]["weights"][step], one["weights"][step]) < 1e-5, step
+    losses = [abs(a - b) / b for a, b in zip(ranks[0]["losses"], one["losses"])]
+    weights = [_relative(a, b) for a, b in zip(ranks[0]["weights"], one["weights"])]
+    print(f"\n{name} tp={tp}: max rel loss diff {max(losses):.1e}, max rel weight diff {max(weights):.1e}")
+    assert len(losses) == len(weights) == len(one["losses"]) == loop.STEPS
+    assert max(losses) < 1e-5 and max(weights) < 1e-5, (losses, weights)
     for other in ranks[1:]:  # the gathered weights: the same tensors on every rank
         assert _relative(other["weights"][-1], ranks[0]["weights"][-1]) == 0.0
     assert ((ranks[0]["probe"] - one["probe"]).abs().max() / one["probe"].abs().max()).item() < 1e-5
