@@ -120,6 +120,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
         if self._module is not None and self._module is not module:
             raise ValueError("strategy='tp_fused' sets up one model per Fabric (its main_grad buffer is reduced at every "
                              "fabric.backward); combine the models into one nn.Module, or use strategy='ddp' for several.")
+        self._refuse_already_parallel(module)
         self._setup_tensor_parallel(module, self._precision_prepare, self.module_to_device)
         self._module = module
         return module

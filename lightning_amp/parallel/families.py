@@ -1,4 +1,4 @@
-"""Per-family layouts for ``plan="auto"``: which layers of a known model family form a tensor-parallel unit.
+"""Per-family layouts, the fast path of ``plan="auto"``: which layers of a known model family form a unit.
 
 A :class:`Unit` is a set of layers converted together: column-parallel layers whose split outputs
 feed only the unit's row-parallel layers (Megatron's column -> row pairing), the module whose
@@ -13,19 +13,23 @@ BERT/RoBERTa attention (``transformers``)   ``self.query``, ``self.key``, ``self
 BERT/RoBERTa MLP                            ``intermediate.dense``                           ``output.dense``
 GPT-2 attention (``Conv1D``)                ``c_attn`` (fused QKV: q, k, v each split)       ``c_proj``
 GPT-2 MLP (``Conv1D``)                      ``c_fc``                                         ``c_proj``
-Llama/Mistral-style attention               ``q_proj``/``query``, ``k_proj``, ``v_proj``     ``o_proj``
+Llama/Mistral-style attention [*]           ``q_proj``/``query``, ``k_proj``, ``v_proj``     ``o_proj``
 litgpt ``CausalSelfAttention``              ``qkv`` (fused ``[q | k | v]``, GQA/MQA heads)   ``proj``
 named MLPs (Llama, Falcon, OPT, litgpt...)  ``gate_proj``/``up_proj``/``fc1``/``fc_1``/...   ``down_proj``/``fc2``/``proj``/...
 ``nn.Sequential``                           ``Linear``, elementwise modules, ``Linear``: first -> column, last -> row
 =========================================  ===============================================  =====================
 
+[*] :data:`FALLBACK_MATCHERS`: used only where torch.fx cannot read the module's forward; elsewhere
+:mod:`~lightning_amp.parallel.structure` finds these attentions (and any other) by what their forward computes.
+
 Attention heads are split whole: the query heads and the key/value heads (GQA) must both divide by
 the TP size, else :func:`lightning_amp.parallel.plan.build_plan` raises naming the module; litgpt's
 key/value heads may instead be fewer than the ranks and divide the TP size: they are then replicated
 (:mod:`~lightning_amp.parallel.fused_qkv`), and its attention gets a per-rank copy of its ``config``
-with the local ``n_head``/``n_query_groups`` (the model's own ``Config`` is not changed). Matching
-is by structure (child names and types, head attributes), not by class name, so renamed copies of
-these blocks (RoBERTa, ELECTRA, Mistral, Qwen2, ...) are found too.
+with the local ``n_head``/``n_query_groups`` (the model's own ``Config`` is not changed); its per-head
+``norm_q``/``norm_k`` have their gradients summed over the TP group. Matching is on child names and types,
+not class names, so copies of these blocks under other class names (RoBERTa, ELECTRA, ...) are found too;
+renamed layers are left to the structure.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from typing import Callable, Optional
 from torch import nn
 
 from lightning_amp.parallel.fused_qkv import QKVHeads
+from lightning_amp.parallel.projections import is_conv1d  # noqa: F401 (re-exported)
 
 ELEMENTWISE = (
     nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
@@ -57,6 +62,13 @@ class Unit:
     ``head_config``: the module whose ``config`` (litgpt's ``Config``, shared with the whole model) gets a
     per-rank copy holding the local head counts of ``qkv_heads``. ``divisible``: (what, value) pairs that
     must divide by the TP size. ``problem``: why this unit cannot be split at all.
+
+    Units found by structure (:mod:`~lightning_amp.parallel.structure`, ``found_by="structure"``) also carry
+    ``replicated_heads`` (per key or value projection kept whole on every rank: its head count and size, see
+    :mod:`~lightning_amp.parallel.replicated_heads`), ``head_values`` (per attribute key, the per-rank value its
+    forward needs, see :mod:`~lightning_amp.parallel.heads`) and ``attention_shape`` (the heads it found).
+    ``partial_grads``: modules or params used between the unit's columns and rows (a norm over each head's
+    features): every rank sees only its heads, so their gradients are summed over the TP group.
     """
 
     family: str
@@ -70,17 +82,15 @@ class Unit:
     head_config: Optional[str] = None
     divisible: list[tuple[str, int]] = field(default_factory=list)
     problem: Optional[str] = None
+    found_by: str = "names"
+    partial_grads: list[str] = field(default_factory=list)
+    replicated_heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    head_values: dict[tuple[str, tuple[str, ...]], int] = field(default_factory=dict)
+    attention_shape: Optional[object] = None
 
     @property
     def members(self) -> list[str]:
         return ([self.attention] if self.attention else []) + self.columns + self.rows
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """``transformers``' ``Conv1D``: a Linear storing its weight as ``[in, out]`` (``nx``, ``nf``)."""
-    weight = getattr(module, "weight", None)
-    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
-            and weight is not None and tuple(weight.shape) == (module.nx, module.nf))
 
 
 def _linear(parent: nn.Module, name: str) -> Optional[nn.Module]:
@@ -200,7 +210,8 @@ def _litgpt_attention(path: str, m: nn.Module) -> list[Unit]:
         return []
     heads = QKVHeads(*counts)
     qkv_path = _join(path, "qkv")
-    unit = Unit("litgpt attention", [qkv_path], [_join(path, "proj")], qkv_heads={qkv_path: heads}, head_config=path)
+    unit = Unit("litgpt attention", [qkv_path], [_join(path, "proj")], qkv_heads={qkv_path: heads}, head_config=path,
+                partial_grads=[_join(path, n) for n in ("norm_q", "norm_k") if isinstance(getattr(m, n, None), nn.Module)])
     if qkv.out_features != sum(heads.blocks) or proj.in_features != heads.blocks[0]:
         unit.problem = (f"qkv.out_features={qkv.out_features}, proj.in_features={proj.in_features} do not match "
                         f"the [q | k | v] layout of config n_head={heads.n_head}, n_query_groups={heads.n_query_groups}, "
@@ -241,23 +252,27 @@ def _sequential_mlp(path: str, m: nn.Module) -> list[Unit]:
     return units
 
 
+#: the fast path: layouts known by their modules' types and child names
 MATCHERS: tuple[Callable[[str, nn.Module], list[Unit]], ...] = (
     multihead_attention_unit, _torch_transformer_layer, _bert_attention, _bert_mlp, _gpt2_attention, _gpt2_mlp,
-    _named_attention, _litgpt_attention, _named_mlp, _sequential_mlp,
+    _litgpt_attention, _named_mlp, _sequential_mlp,
 )
+#: used only for modules whose forward torch.fx cannot read (the structure finds these attentions otherwise)
+FALLBACK_MATCHERS: tuple[Callable[[str, nn.Module], list[Unit]], ...] = (_named_attention,)
 
 
-def find_units(module: nn.Module) -> list[Unit]:
-    """Every unit of the known families in ``module`` (a layer belongs to at most one unit)."""
+def find_units(module: nn.Module, matchers=MATCHERS, claimed: Optional[set] = None) -> list[Unit]:
+    """Every unit of ``matchers`` (default: the known families) in ``module`` whose layers are not in ``claimed``
+    (a layer belongs to at most one unit)."""
     units: list[Unit] = []
-    claimed: set[str] = set()
+    claimed = set() if claimed is None else set(claimed)
     inside_mha: list[str] = []
     for path, sub in module.named_modules():
         if any(path.startswith(p + ".") for p in inside_mha):
             continue
         if isinstance(sub, nn.MultiheadAttention):
             inside_mha.append(path)
-        for matcher in MATCHERS:
+        for matcher in matchers:
             for unit in matcher(path, sub):
                 if not claimed.intersection(unit.members):
                     claimed.update(unit.members)

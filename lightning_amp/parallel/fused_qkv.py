@@ -61,6 +61,13 @@ class QKVHeads:
         return QKVHeads(self.n_head // tp, max(self.n_query_groups // tp, 1), self.head_size)
 
 
+def head_used(rank: int, tp: int, n_heads: int) -> int:
+    """The key/value head rank ``rank`` of ``tp`` uses when ``n_heads`` of them are replicated (``tp % n_heads == 0``):
+    its query heads are the ``rank``-th of ``tp`` equal consecutive blocks, each inside one group of
+    ``n_query_heads / n_heads`` query heads that share a key/value head."""
+    return rank // (tp // n_heads)
+
+
 class ReplicatedKVColumnParallel(nn.Module):
     """``[q_r | k_g | v_g]`` of a fused ``[q | k | v]`` Linear: the query rows split over the TP group
     (a :class:`ColumnParallelLinear`, ``self.q``), the key/value rows whole on every rank (``self.kv_weight``,
@@ -85,7 +92,7 @@ class ReplicatedKVColumnParallel(nn.Module):
             sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, **linear_kwargs)
         self.kv_weight = _replicated(weight[q_rows:])
         self.kv_bias = None if bias is None else _replicated(bias[q_rows:])
-        self.group_index = group_rank(group) // (tp // heads.n_query_groups)
+        self.group_index = head_used(group_rank(group), tp, heads.n_query_groups)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -136,9 +143,14 @@ def _replicated(tensor: Tensor) -> nn.Parameter:
 
 
 def fused_qkv_parallel(weight: Tensor, bias: Optional[Tensor], heads: QKVHeads, group: Any = None,
-                       **linear_kwargs) -> nn.Module:
-    """The tensor-parallel replacement of a fused ``[q | k | v]`` Linear with ``heads`` (see the module docstring)."""
+                       transposed: bool = False, **linear_kwargs) -> nn.Module:
+    """The tensor-parallel replacement of a fused ``[q | k | v]`` Linear with ``heads`` (see the module docstring);
+    ``transposed``: the weight is stored ``[in, out]`` (``transformers``' ``Conv1D``; its key/value heads are split,
+    never replicated)."""
     if heads.replicated(group_size(group)):
+        if transposed:
+            raise ValueError(f"fused_qkv_parallel: {heads} at tensor_parallel_size={group_size(group)}: the key/value "
+                             "heads of a Conv1D [in, out] projection cannot be replicated")
         return ReplicatedKVColumnParallel(weight, bias, heads, group, **linear_kwargs)
     return ColumnParallelLinear.from_weights(weight, bias, group, blocks=heads.blocks, gather_output=False,
-                                             **linear_kwargs)
+                                             transposed=transposed, **linear_kwargs)

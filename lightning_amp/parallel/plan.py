@@ -1,22 +1,24 @@
 """Which layers become tensor-parallel (the plan), its validation, and the in-place conversion.
 
-``plan="auto"`` uses the per-family layouts of :mod:`~lightning_amp.parallel.families`
-(``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa, GPT-2, Llama/Mistral-style
-q/k/v/o and gate/up/down, litgpt's fused ``[q | k | v]`` attention and MLPs, MLPs in ``nn.Sequential``). An explicit plan
-``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead* (fnmatch globs on
-names from ``named_modules()``); a set of explicit layers that forms a family unit gets that unit's
-layout (fused QKV, ``Conv1D``, head attributes), other layers pair by parent: a column layer's output
-stays split when its parent also holds a row layer of the plan, else it is gathered.
+``plan="auto"`` takes the units of :mod:`~lightning_amp.parallel.auto_units`: the known layouts of
+:mod:`~lightning_amp.parallel.families` (``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa,
+GPT-2, litgpt's fused ``[q | k | v]`` attention, named MLPs, MLPs in ``nn.Sequential``), then the attention blocks and
+MLPs :mod:`~lightning_amp.parallel.structure` finds by reading the forward of the rest (their heads and the attribute
+values one rank needs: :mod:`~lightning_amp.parallel.heads`), then q/k/v/o names where no forward can be read. An
+explicit plan ``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead* (fnmatch globs on names
+from ``named_modules()``); a set of explicit layers that forms one of those units gets that unit's layout (fused QKV,
+``Conv1D``, heads and head attributes), other layers pair by parent: a column layer's output stays split when its
+parent also holds a row layer of the plan, else it is gathered.
 
 :func:`build_plan` validates the whole plan *before anything changes*, raising ValueError naming
 the module paths when a column layer would feed anything but its row partner (a unit only partly in
 an explicit plan, a row layer without a column partner, a norm or reshape between a named MLP's layers:
-:mod:`~lightning_amp.parallel.between`, an explicit column wider than its row partner outside any family:
+:mod:`~lightning_amp.parallel.between`, an explicit column wider than its row partner outside any unit:
 a fused projection a contiguous split would cut), when a glob of an explicit plan matches no module,
-when heads or features do not divide by the TP size, or when nothing would be split (unless
-``allow_replicated``). So a model is either
+when heads or features do not divide by the TP size (key/value heads: nor divide it), when an attention found by
+structure cannot be read, or when nothing would be split (unless ``allow_replicated``). So a model is either
 converted as planned or left untouched: never half-converted. Conversion copies this rank's slice of
-the module's *current* weights.
+the module's *current* weights; :func:`convert_model` returns the :class:`~lightning_amp.parallel.report.PlanReport`.
 """
 from __future__ import annotations
 
@@ -29,34 +31,33 @@ from typing import Any, Mapping, Optional, Union
 from torch import nn
 
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
+from lightning_amp.parallel.auto_units import auto_units
 from lightning_amp.parallel.between import between_problem
 from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan  # noqa: F401 (re-exported)
-from lightning_amp.parallel.families import HEAD_ATTRS, Unit, find_units, is_conv1d, multihead_attention_unit
+from lightning_amp.parallel.families import HEAD_ATTRS, Unit, is_conv1d, multihead_attention_unit
 from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
+from lightning_amp.parallel.heads import AttentionShape
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_amp.parallel.main_grad import mark_sequence_parallel
+from lightning_amp.parallel.projections import is_projection
+from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
+from lightning_amp.parallel.report import Conversion, PlanReport, SplitUnit
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
-_PARALLEL = (ParallelMultiheadAttention, ReplicatedKVColumnParallel, ColumnParallelLinear, RowParallelLinear)
-
-
-@dataclass
-class Conversion:
-    """One row of the conversion table."""
-
-    name: str
-    original: str
-    kind: str  # "column" | "row" | "attention" | "seq-split"
-    detail: str
+#: the layers a conversion makes (a model holding one is converted already)
+PARALLEL_LAYERS = (ParallelMultiheadAttention, ReplicatedKVColumnParallel, ReplicatedHeadsLinear, ColumnParallelLinear,
+                   RowParallelLinear)
 
 
 @dataclass
 class Plan:
-    """A validated plan: the units to convert and, per layer path, its kind."""
+    """A validated plan: the units to convert, per layer path its kind, and per Linear left whole, why."""
 
     units: list[Unit]
     decisions: dict[str, str] = field(default_factory=dict)
+    whole: dict[str, str] = field(default_factory=dict)
 
 
 def _explicit_decisions(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
@@ -85,10 +86,11 @@ def _unit_kinds(unit: Unit) -> dict[str, str]:
     return kinds
 
 
-def _explicit_units(module: nn.Module, decisions: dict[str, str]) -> list[Unit]:
-    """Explicit layers grouped into units: known family units when complete, else column/row by parent."""
+def _explicit_units(module: nn.Module, decisions: dict[str, str], tp: int) -> list[Unit]:
+    """Explicit layers grouped into units: the units ``plan="auto"`` finds when complete (their heads and layout),
+    else column/row by parent."""
     units, left = [], dict(decisions)
-    for unit in find_units(module):
+    for unit in auto_units(module, tp).units:
         kinds = _unit_kinds(unit)
         named = {n: k for n, k in kinds.items() if n in decisions}
         if not named or (named != kinds and all(decisions[n] == "column" for n in named)):
@@ -151,7 +153,14 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
     module paths of every unit that cannot be split, and when nothing would be split at ``tp > 1``
     unless ``allow_replicated``."""
     validate_plan(plan)
-    units = find_units(module) if plan == "auto" else _explicit_units(module, _explicit_decisions(module, plan))
+    if plan == "auto":
+        found = auto_units(module, tp)
+        units, whole = found.units, found.whole
+    else:
+        units = _explicit_units(module, _explicit_decisions(module, plan), tp)
+        planned = {m for u in units for m in u.members}
+        whole = {name: "not named by the plan" for name, m in module.named_modules()
+                 if is_projection(m) and name not in planned}
     problems = []
     for unit in units:
         if unit.problem:
@@ -159,7 +168,7 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
             continue
         sizes = list(unit.divisible)
         sizes += [(f"{c}.out_features", _dims(module, c)[1] // unit.chunks.get(c, 1)) for c in unit.columns
-                  if c not in unit.qkv_heads]
+                  if c not in unit.qkv_heads and c not in unit.replicated_heads]
         sizes += [(f"{r}.in_features", _dims(module, r)[0]) for r in unit.rows]
         bad = [f"{what}={value}" for what, value in sizes if value < tp or value % tp]
         if bad:
@@ -179,10 +188,11 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
     if not units and tp > 1 and not allow_replicated:
         raise ValueError(
             f"tp_fused: no layer of {type(module).__name__} can be split across {tp} ranks (no nn.MultiheadAttention, "
-            "BERT/GPT-2/Llama/litgpt-style attention or MLP, or nn.Sequential Linear pairs found); every rank would train the "
-            "whole model. Pass plan={'glob.of.names': 'column'|'row'} to choose layers, or "
-            "TensorParallelStrategy(allow_replicated=True) to train replicated on purpose.")
-    result = Plan(units)
+            "attention product between its projections or column -> elementwise -> row MLP found); every rank would train "
+            "the whole model. Pass plan={'glob.of.names': 'column'|'row'} to choose layers, or "
+            "TensorParallelStrategy(allow_replicated=True) to train replicated on purpose."
+            + "".join(f"\n  {name}: {why}" for name, why in list(whole.items())[:8]))
+    result = Plan(units, whole=whole)
     for unit in units:
         result.decisions.update(_unit_kinds(unit))
     return result
@@ -223,10 +233,14 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
         transposed = name in unit.transposed
         if name in unit.qkv_heads:
             heads = unit.qkv_heads[name]
-            new = fused_qkv_parallel(child.weight, child.bias, heads, group, **extra)
+            new = fused_qkv_parallel(child.weight, child.bias, heads, group, transposed=transposed, **extra)
             local = heads.local(group_size(group))
             detail = (f"[q | k | v] heads {heads.n_head}/{heads.n_query_groups} -> {local.n_head}/{local.n_query_groups}"
                       + ("/rank, key/value replicated" if isinstance(new, ReplicatedKVColumnParallel) else "/rank"))
+        elif name in unit.replicated_heads:
+            n_heads, head_size = unit.replicated_heads[name]
+            new = ReplicatedHeadsLinear(child.weight, child.bias, n_heads, head_size, group, transposed=transposed, **extra)
+            detail = f"{n_heads} head(s) of {head_size} replicated, head {new.head} used"
         elif name in unit.columns:
             gather = not unit.rows
             new = ColumnParallelLinear.from_weights(child.weight, child.bias, group, chunks=unit.chunks.get(name, 1),
@@ -239,8 +253,48 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
                                                  input_is_parallel=True, **extra)
             detail = f"in {new.in_features} -> {new.in_per_rank}/rank"
         setattr(parent, attr, new)
-        rows.append(Conversion(name, type(child).__name__, "column" if name in unit.columns else "row", detail))
+        kind = "replicated" if name in unit.replicated_heads else "column" if name in unit.columns else "row"
+        rows.append(Conversion(name, type(child).__name__, kind, detail))
     return rows
+
+
+def _set_head_values(module: nn.Module, unit: Unit) -> dict[str, tuple[int, int]]:
+    """Give the attributes a structure-found attention's forward reads the values one rank needs (see
+    :mod:`~lightning_amp.parallel.heads`): a module's own attribute is set on it; a field of a plain object (a
+    ``config``, maybe shared with the whole model) is set on a per-rank copy that every module of the attention
+    holding that object gets. Returns {attribute path: (before, after)}."""
+    changed, copies = {}, {}
+    owner_paths = {path for path, _ in unit.head_values}
+    for (path, names), value in sorted(unit.head_values.items()):
+        owner = module.get_submodule(path) if path else module
+        label = ".".join([path, *names]) if path else ".".join(names)
+        if len(names) == 1:
+            changed[label] = (getattr(owner, names[0]), value)
+            setattr(owner, names[0], value)
+            continue
+        shared = getattr(owner, names[0])
+        if id(shared) not in copies:
+            copies[id(shared)] = (shared, copy.copy(shared))  # a shallow copy keeps what __post_init__ derived
+        original, private = copies[id(shared)]
+        changed[label] = (getattr(original, names[1]), value)
+        vars(private)[names[1]] = value
+    for original, private in copies.values():
+        for path in owner_paths:
+            for sub in (module.get_submodule(path) if path else module).modules():
+                for attr, held in list(vars(sub).items()):
+                    if held is original:
+                        setattr(sub, attr, private)
+    return changed
+
+
+def _mark_partial_grads(module: nn.Module, unit: Unit) -> None:
+    """Params used between the unit's columns and rows see this rank's heads only: their gradients are summed over
+    the TP group (the ``sequence_parallel`` mark :class:`~lightning_amp.parallel.main_grad.MainGradBuffer` reads)."""
+    for path in unit.partial_grads:
+        try:
+            mark_sequence_parallel(module.get_submodule(path))
+        except AttributeError:
+            module.get_parameter(path).sequence_parallel = True
 
 
 def _divide_head_attrs(module: nn.Module, unit: Unit, tp: int) -> None:
@@ -258,6 +312,55 @@ def _divide_head_attrs(module: nn.Module, unit: Unit, tp: int) -> None:
             setattr(owner, attr, value // tp)
 
 
+def convert_model(module: nn.Module, group: Any = None, config: Optional[TensorParallelConfig] = None,
+                  **layer_kwargs) -> PlanReport:
+    """Validate (see :func:`build_plan`), then replace the planned layers of ``module`` in place with this rank's
+    parallel layers; returns the :class:`~lightning_amp.parallel.report.PlanReport` (what was split, how each unit
+    was found, what was left whole and why). ``config``: the options (default ``TensorParallelConfig()``);
+    ``layer_kwargs`` go to every parallel layer."""
+    config = TensorParallelConfig() if config is None else config
+    checked = build_plan(module, config.plan, group_size(group), config.sequence_parallel, config.allow_replicated)
+    return apply_checked_plan(module, checked, group, config, **layer_kwargs)
+
+
+def apply_checked_plan(module: nn.Module, checked: Plan, group: Any, config: TensorParallelConfig,
+                       **layer_kwargs) -> PlanReport:
+    """Convert ``module`` as ``checked`` (a :func:`build_plan` of it, or of a copy: the module paths are what count)
+    says, for this rank of ``group``; see :func:`convert_model`."""
+    linear_kwargs = dict(layer_kwargs, config=config)  # the layers read their options from it
+    tp = group_size(group)
+    runs, sp_kwargs = [], {}
+    if config.sequence_parallel:
+        if not checked.units:
+            raise ValueError(f"sequence_parallel=True: the plan found no layer of {type(module).__name__} to split")
+        if any(u.columns and not u.rows for u in checked.units):
+            raise ValueError("sequence_parallel=True: column layers "
+                             f"{[c for u in checked.units if not u.rows for c in u.columns]} have no row-parallel partner")
+        runs, sp_kwargs = plan_runs(module, checked.decisions, config.sequence_dim)
+    report = PlanReport(tp, whole=dict(checked.whole))
+    for unit in checked.units:
+        split = SplitUnit(unit.family, unit.found_by, _heads_line(unit, tp))
+        split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
+        split.attributes = _set_head_values(module, unit)
+        _mark_partial_grads(module, unit)
+        _divide_head_attrs(module, unit, tp)
+        report.split.append(split)
+    if config.sequence_parallel:
+        install_boundaries(module, runs, group)
+        report.sequence = [Conversion(run.container, "blocks", "seq-split",
+                                      f"{len(run.names)} block(s), sequence dim {run.seq_dim} split between them")
+                           for run in runs]
+    return report
+
+
+def _heads_line(unit: Unit, tp: int) -> str:
+    shape = unit.attention_shape
+    if shape is None and len(unit.qkv_heads) == 1:  # litgpt's, found by names
+        (heads,) = unit.qkv_heads.values()
+        shape = AttentionShape(heads.n_head, heads.n_query_groups, heads.head_size, heads.head_size, "blocks")
+    return shape.describe(tp) if shape is not None else ""
+
+
 def apply_plan(
     module: nn.Module,
     group: Any = None,
@@ -270,11 +373,11 @@ def apply_plan(
     **linear_kwargs,
 ) -> list[Conversion]:
     """Validate (see :func:`build_plan`), then replace the planned layers of ``module`` in place;
-    returns the conversion table.
+    returns the conversion table (:func:`convert_model` returns the whole report).
 
     ``config``: the options (``plan``, ``sequence_parallel``, ``sequence_dim``, ``allow_replicated`` and the
     layers' ``gradient_accumulation_fusion`` / ``async_grad_allreduce``); without it they are built from the
-    keywords (``linear_kwargs`` naming those two, the rest going to every parallel layer as before).
+    keywords (``linear_kwargs`` naming those two, the rest going to every parallel layer).
     With a TP group of size 1 the layers are still converted (fused wgrad path).
     ``sequence_parallel``: see :mod:`~lightning_amp.parallel.sequence` (``sequence_dim`` for blocks
     other than ``nn.Transformer*Layer``); a model it cannot handle raises ValueError.
@@ -283,39 +386,7 @@ def apply_plan(
         layer_options = {k: linear_kwargs.pop(k) for k in _LAYER_OPTIONS if k in linear_kwargs}
         config = TensorParallelConfig(plan=plan, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                                       allow_replicated=allow_replicated, **layer_options)
-    plan, sequence_parallel, sequence_dim = config.plan, config.sequence_parallel, config.sequence_dim
-    allow_replicated = config.allow_replicated
-    linear_kwargs = dict(linear_kwargs, config=config)  # the layers read their options from it
-    tp = group_size(group)
-    checked = build_plan(module, plan, tp, sequence_parallel, allow_replicated)
-    runs, sp_kwargs = [], {}
-    if sequence_parallel:
-        if not checked.units:
-            raise ValueError(f"sequence_parallel=True: the plan found no layer of {type(module).__name__} to split")
-        if any(u.columns and not u.rows for u in checked.units):
-            raise ValueError("sequence_parallel=True: column layers "
-                             f"{[c for u in checked.units if not u.rows for c in u.columns]} have no row-parallel partner")
-        runs, sp_kwargs = plan_runs(module, checked.decisions, sequence_dim)
-    rows: list[Conversion] = []
-    for unit in checked.units:
-        rows += _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
-        _divide_head_attrs(module, unit, tp)
-    if sequence_parallel:
-        install_boundaries(module, runs, group)
-        for run in runs:
-            rows.append(Conversion(run.container, "blocks", "seq-split",
-                                   f"{len(run.names)} block(s), sequence dim {run.seq_dim} split between them"))
-    return rows
-
-
-def format_table(rows: list[Conversion]) -> str:
-    """A short text table of the conversions."""
-    if not rows:
-        return "tp_fused: no layers converted"
-    w = max(len(r.name) for r in rows)
-    lines = [f"{'module':<{w}}  {'was':<18} {'now':<10} detail"]
-    lines += [f"{r.name:<{w}}  {r.original:<18} {r.kind:<10} {r.detail}" for r in rows]
-    return "\n".join(lines)
+    return convert_model(module, group, config, **linear_kwargs).conversions
 
 
 def gathered_state_dict(module: nn.Module) -> dict:
@@ -323,8 +394,8 @@ def gathered_state_dict(module: nn.Module) -> dict:
     tensors under the original module's keys (collective over each layer's TP group)."""
     state = module.state_dict()
     for name, sub in module.named_modules():
-        if isinstance(sub, _PARALLEL):
-            if any(isinstance(p, _PARALLEL) for p in _ancestors(module, name)):
+        if isinstance(sub, PARALLEL_LAYERS):
+            if any(isinstance(p, PARALLEL_LAYERS) for p in _ancestors(module, name)):
                 continue
             prefix = f"{name}." if name else ""
             for key in [k for k in state if k.startswith(prefix)]:
@@ -338,8 +409,8 @@ def load_gathered_state_dict(module: nn.Module, state: Mapping[str, Any], strict
     """Load a full (original-layout) state into a converted module, slicing for this rank."""
     state = dict(state)
     for name, sub in module.named_modules():
-        if isinstance(sub, _PARALLEL):
-            if any(isinstance(p, _PARALLEL) for p in _ancestors(module, name)):
+        if isinstance(sub, PARALLEL_LAYERS):
+            if any(isinstance(p, PARALLEL_LAYERS) for p in _ancestors(module, name)):
                 continue
             prefix = f"{name}." if name else ""
             mine = {k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
@@ -367,6 +438,6 @@ def _owned_by_parallel(module: nn.Module, key: str) -> bool:
             sub = module.get_submodule(".".join(parts[:i]))
         except AttributeError:
             return False
-        if isinstance(sub, _PARALLEL):
+        if isinstance(sub, PARALLEL_LAYERS):
             return True
     return False

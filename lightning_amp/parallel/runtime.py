@@ -28,12 +28,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.groups import ParallelGroups, build_groups, validate_sizes
-from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.main_grad import MainGradBuffer, clip_grad_norm_
-from lightning_amp.parallel.plan import Conversion, apply_plan, gathered_state_dict, load_gathered_state_dict
+from lightning_amp.parallel.plan import (PARALLEL_LAYERS, Conversion, PlanReport, convert_model, gathered_state_dict,
+                                         load_gathered_state_dict)
 
 
 class TensorParallelRuntime:
@@ -46,6 +45,7 @@ class TensorParallelRuntime:
         self.groups: Optional[ParallelGroups] = None
         self.grad_buffer: Optional[MainGradBuffer] = None
         self.conversions: list[Conversion] = []
+        self.report: Optional[PlanReport] = None  # what the plan split and left whole (after apply_plan)
         self.converted = False
 
     # ------------------------------------------------------------------ sizes and groups
@@ -103,9 +103,11 @@ class TensorParallelRuntime:
 
     def apply_plan(self, module: nn.Module) -> list[Conversion]:
         """Replace the planned layers of ``module`` in place by parallel ones holding this rank's slices of the
-        existing weights (:func:`~lightning_amp.parallel.plan.apply_plan`); returns the conversion table."""
+        existing weights (:func:`~lightning_amp.parallel.plan.convert_model`); returns the conversion table and keeps
+        the whole :class:`~lightning_amp.parallel.report.PlanReport` as :attr:`report`."""
         assert self.groups is not None, "build_groups first"
-        self.conversions = apply_plan(module, self.groups.tp_group, config=self.config)
+        self.report = convert_model(module, self.groups.tp_group, self.config)
+        self.conversions = self.report.conversions
         self.converted = True
         return self.conversions
 
@@ -248,7 +250,7 @@ class TensorParallelRuntime:
 
 def holds_parallel_layers(module: nn.Module) -> bool:
     """Whether ``module`` was converted already (holds a parallel layer)."""
-    return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelMultiheadAttention)) for m in module.modules())
+    return any(isinstance(m, PARALLEL_LAYERS) for m in module.modules())
 
 
 def _broadcast_from_rank_zero(module: nn.Module) -> None:

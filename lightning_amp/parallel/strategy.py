@@ -121,6 +121,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
         """Broadcast, plan, the precision plugin's cast, (fitting) the optimizers, ``main_grad``: see
         :meth:`~lightning_amp.parallel.strategy_mixin.TensorParallelStrategyMixin._setup_tensor_parallel`."""
         assert self.accelerator is not None and self.model is not None
+        self._refuse_already_parallel(self.model)
         self.accelerator.setup(trainer)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -6,10 +6,13 @@ Fabric) with different hooks, but both expose ``num_nodes``, ``num_processes``, 
 tensor-parallel side once on those names; each strategy file only maps its framework's hooks onto it.
 Use it first in the bases: ``class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy)``.
 
-Contract of :meth:`TensorParallelStrategyMixin._setup_tensor_parallel`, the one setup of a model (top to
+Each strategy's setup first refuses a model that is tensor-parallel already
+(:meth:`TensorParallelStrategyMixin._refuse_already_parallel`: DTensor params, torch's TP hooks), before anything
+changes. Contract of :meth:`TensorParallelStrategyMixin._setup_tensor_parallel`, the one setup of a model (top to
 bottom): (1) rank 0's weights broadcast, (2) the plan applied in place (this rank's slices), then the RNG
 agreed within the TP group, (3) the precision plugin's cast and the move to the device, (4) the fp32
-``main_grad`` buffer attached. Steps 1-2 are skipped for a model converted already (an earlier ``fit``).
+``main_grad`` buffer attached. Steps 1-2 are skipped for a model converted already (an earlier ``fit``). The plan
+report is logged on rank 0 after step 2 and kept as :attr:`TensorParallelStrategyMixin.plan_report`.
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_amp.parallel.already_parallel import refuse_already_parallel
 from lightning_amp.parallel.config import TensorParallelConfig
-from lightning_amp.parallel.plan import format_table
+from lightning_amp.parallel.report import PlanReport
 from lightning_amp.parallel.runtime import TensorParallelRuntime
 
 
@@ -40,6 +44,12 @@ class TensorParallelStrategyMixin:
     def config(self) -> TensorParallelConfig:
         """The validated, frozen tensor-parallel options."""
         return self.runtime.config
+
+    @property
+    def plan_report(self) -> Optional[PlanReport]:
+        """What the plan split (and how each unit was found) and what it left whole, and why: set at setup (printed
+        there on rank 0), None before."""
+        return self.runtime.report
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -71,6 +81,12 @@ class TensorParallelStrategyMixin:
         self.runtime.build_groups(self.num_processes)
 
     # ------------------------------------------------------------------ the model
+    def _refuse_already_parallel(self, module: nn.Module) -> None:
+        """ValueError, before anything is changed, for a model tensor-parallel already (DTensor params from a
+        ``parallelize_module``, or its hooks); a model this strategy converted (an earlier ``fit``) passes."""
+        if not self.runtime.converted:
+            refuse_already_parallel(module)
+
     def _setup_tensor_parallel(
         self,
         module: nn.Module,
@@ -117,9 +133,9 @@ class TensorParallelStrategyMixin:
 
 
 def conversion_report(runtime: TensorParallelRuntime, data_parallel_size: int) -> str:
-    """The sizes and the conversion table logged on rank 0 after the plan was applied."""
+    """The sizes and the plan report logged on rank 0 after the plan was applied."""
     return (f"tp_fused: tensor_parallel_size={runtime.groups.tp_size}, data_parallel_size={data_parallel_size}\n"
-            + format_table(runtime.conversions))
+            + runtime.report.format())
 
 
 def destroy_group_at_exit() -> None:

@@ -1,5 +1,7 @@
 """tp_fused on model families nobody here wrote (tiny, randomly initialised, no downloads): ``transformers``
-BERT, RoBERTa, GPT-2 (Conv1D, fused QKV), Llama and Mistral (GQA), and Lightning's demo ``nn.Transformer``.
+BERT, RoBERTa, GPT-2 (Conv1D, fused QKV), Llama and Mistral (GQA), Lightning's demo ``nn.Transformer``, and BERT,
+GPT-2 and Llama with their layers and head attributes renamed (tests/parallel/renamed.py: no name the plan knows is
+left, so their attention and MLPs are found by structure).
 
 One LightningModule holds every family and trains them side by side (the loss is their sum; their params
 are disjoint, so each family trains exactly as it would alone). On 2 real gloo ranks at TP=2 each family's
@@ -28,7 +30,28 @@ needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers")
                                         reason="the `transformers` families need `transformers`")
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, FFN, BATCH, STEPS, MIDWAY = 64, 16, 32, 2, 4, 64, 4, 6, 3
-FAMILIES = ("bert", "roberta", "gpt2", "llama", "mistral", "demo")
+HF = ("bert", "roberta", "gpt2", "llama", "mistral")
+RENAMED = ("bert_renamed", "gpt2_renamed", "llama_renamed")
+FAMILIES = HF + RENAMED + ("demo",)
+
+
+def renames() -> dict:
+    """Per renamed family: {class: {attribute: new name}} (every layer and head attribute its forwards read)."""
+    from transformers.models.bert import modeling_bert as bert
+    from transformers.models.gpt2 import modeling_gpt2 as gpt2
+    from transformers.models.llama import modeling_llama as llama
+
+    return {
+        "bert_renamed": {bert.BertSelfAttention: {"query": "q_lin", "key": "k_lin", "value": "v_lin",
+                                                  "attention_head_size": "hs"},
+                         bert.BertSelfOutput: {"dense": "proj"}, bert.BertIntermediate: {"dense": "expand"},
+                         bert.BertOutput: {"dense": "shrink"}, bert.BertAttention: {"self": "inner", "output": "post"}},
+        "gpt2_renamed": {gpt2.GPT2Attention: {"c_attn": "fused", "c_proj": "out", "split_size": "width", "head_dim": "hd"},
+                         gpt2.GPT2MLP: {"c_fc": "up", "c_proj": "down"}},
+        "llama_renamed": {llama.LlamaAttention: {"q_proj": "p1", "k_proj": "p2", "v_proj": "p3", "o_proj": "p4",
+                                                 "head_dim": "width"},
+                          llama.LlamaMLP: {"gate_proj": "g", "up_proj": "u", "down_proj": "d"}},
+    }
 
 
 def hf_models(names=FAMILIES):
@@ -39,20 +62,31 @@ def hf_models(names=FAMILIES):
     from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                               MistralConfig, MistralForCausalLM, RobertaConfig, RobertaForMaskedLM)
 
+    from renamed import rename_instances
+
     bert = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                 intermediate_size=FFN, max_position_embeddings=SEQ + 4, hidden_dropout_prob=0.0,
                 attention_probs_dropout_prob=0.0)
     llama = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                  num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=SEQ)
-    models = {
-        "bert": BertForMaskedLM(BertConfig(**bert)),
-        "roberta": RobertaForMaskedLM(RobertaConfig(**bert, pad_token_id=1)),
-        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
-                                           n_positions=SEQ, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-        "llama": LlamaForCausalLM(LlamaConfig(**llama)),
-        "mistral": MistralForCausalLM(MistralConfig(**llama, sliding_window=None)),
+    builders = {
+        "bert": lambda: BertForMaskedLM(BertConfig(**bert)),
+        "roberta": lambda: RobertaForMaskedLM(RobertaConfig(**bert, pad_token_id=1)),
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                                   n_inner=FFN, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**llama)),
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**llama, sliding_window=None)),
     }
-    return {name: model for name, model in models.items() if name in names}
+    models = {}
+    for name in names:
+        if name in builders:
+            models[name] = builders[name]()
+        elif name in RENAMED:
+            models[name] = builders[name.removesuffix("_renamed")]()
+            for cls, new in renames()[name].items():
+                rename_instances(models[name], cls, new)
+    return models
 
 
 class Zoo(pl.LightningModule):
@@ -155,6 +189,8 @@ def test_families_tp2_match_single_device_checkpoints_and_resume(tmp_path):
     assert set(converted) == set(FAMILIES)
     for name, (columns, rows) in converted.items():  # else the equality below proves nothing for it
         assert columns > 0 and rows > 0, f"{name}: {columns} column- and {rows} row-parallel layers at TP=2"
+    for name in RENAMED:  # found by structure: as many layers split as under the names the plan knows
+        assert converted[name] == converted[name.removesuffix("_renamed")], (name, converted)
     ref_state = torch.load(tmp_path / "single" / "final.ckpt", weights_only=False)["state_dict"]
     tp_state = torch.load(tmp_path / "tp2" / "final.ckpt", weights_only=False)["state_dict"]
     assert set(tp_state) == set(ref_state)  # the original key layout (Conv1D, in_proj, head attrs untouched)
@@ -201,7 +237,7 @@ def _o2_trains(tmp_path, names):
 @needs_transformers
 def test_transformers_families_tp2_bf16_o2_train(tmp_path):
     """TP=2 with AmpO2Plugin(bfloat16): every ``transformers`` family trains (finite losses that fall)."""
-    _o2_trains(tmp_path, FAMILIES[:-1])
+    _o2_trains(tmp_path, HF)
 
 
 def test_demo_transformer_tp2_bf16_o2_trains(tmp_path):
@@ -229,16 +265,24 @@ def test_auto_plan_finds_each_family_layout():
     assert gpt2["transformer.h.0.mlp.c_fc"].transposed == {"transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"}
     llama = build_plan(models["llama"], "auto", 2).units
     assert _names(llama, "rows") == sorted(f"model.layers.{i}.{n}" for i in range(LAYERS) for n in ("self_attn.o_proj", "mlp.down_proj"))
+    for name in RENAMED:  # the same units, every one found by structure, under the new names
+        plain, renamed = build_plan(models[name.removesuffix("_renamed")], "auto", 2), build_plan(models[name], "auto", 2)
+        assert {u.found_by for u in renamed.units} == {"structure"}
+        assert len(renamed.units) == len(plain.units) == 2 * LAYERS and not set(renamed.decisions) & set(plain.decisions)
+        assert sorted(len(u.columns) for u in renamed.units) == sorted(len(u.columns) for u in plain.units)
+    gpt2_attn = [u for u in build_plan(models["gpt2_renamed"], "auto", 2).units if u.family == "attention"]
+    assert gpt2_attn[0].head_values == {("transformer.h.0.attn", ("width",)): HIDDEN // 2}  # its split_size
 
 
 @needs_transformers
 def test_plan_refuses_what_cannot_be_split_and_changes_nothing():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    gqa = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
-                                       num_key_value_heads=1, intermediate_size=FFN))
+    gqa = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                                       num_key_value_heads=3, intermediate_size=FFN))
     before = {k: v.clone() for k, v in gqa.state_dict().items()}
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn key/value heads.*GQA.*=1 not divisible"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn .*: 3 key/value heads neither divisible by "
+                                         r"tensor_parallel_size=2 nor dividing it"):
         build_plan(gqa, "auto", 2)
     bert = hf_models()["bert"]
     with pytest.raises(ValueError, match=r"bert\.encoder\.layer\.0\.attention\.self\.num_attention_heads=4 not divisible by tensor_parallel_size=8"):

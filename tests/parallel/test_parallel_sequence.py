@@ -1,5 +1,6 @@
 """Sequence parallelism through the automatic plan (tp_fused sequence_parallel=True) on 2 real gloo ranks:
-converted models vs the unconverted fp32 model (outputs, input grads, every param's grad), a Trainer run
+converted models vs the unconverted fp32 model (outputs, input grads, every param's grad; attentions found by
+structure, MQA's key/value head kept whole on both ranks, in a sub-module or inline in the block), a Trainer run
 vs 1 device step by step, and the errors for models it cannot handle. Also: exact O2 resume at TP=2."""
 import json
 import os
@@ -39,6 +40,23 @@ class Attention(nn.Module):
         return self.o_proj(ctx.transpose(1, 2).reshape(b, s, -1))
 
 
+class MQAttention(Attention):
+    """One key/value head shared by all query heads (MQA): at TP=2 kept whole on both ranks (found by structure; its
+    repeat count, num_heads, is the per-rank query head count on each rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k_proj, self.v_proj = nn.Linear(D, D // HEADS), nn.Linear(D, D // HEADS)
+
+    def forward(self, hidden_states):
+        b, s, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, s, self.num_heads, -1).transpose(1, 2)
+        k, v = (p(hidden_states).view(b, s, -1, D // HEADS).transpose(1, 2).repeat_interleave(self.num_heads, dim=1)
+                for p in (self.k_proj, self.v_proj))
+        ctx = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(ctx.transpose(1, 2).reshape(b, s, -1))
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -51,20 +69,40 @@ class MLP(nn.Module):
 class LlamaishBlock(nn.Module):
     """Pre-norm block (attention + MLP sub-modules) on [batch, seq, hidden]."""
 
-    def __init__(self):
+    def __init__(self, attention=Attention):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.attn, self.mlp = Attention(), MLP()
+        self.attn, self.mlp = attention(), MLP()
 
     def forward(self, x):
         x = x + self.attn(hidden_states=self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
-class Llamaish(nn.Module):
+class InlineMQABlock(nn.Module):
+    """MQA written inline in the block (its projections are the block's own children, so each column layer gathers
+    the sequence itself, the key/value projection kept whole on both ranks included); lengths read as -1."""
+
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList([LlamaishBlock(), LlamaishBlock()])
+        self.norm1, self.norm2, self.mlp = nn.LayerNorm(D), nn.LayerNorm(D), MLP()
+        self.wq, self.wk, self.wv, self.wo = nn.Linear(D, D), nn.Linear(D, D // HEADS), nn.Linear(D, D // HEADS), nn.Linear(D, D)
+        self.heads = HEADS
+
+    def forward(self, x):
+        h, b = self.norm1(x), x.shape[0]
+        q = self.wq(h).view(b, -1, self.heads, D // HEADS).transpose(1, 2)
+        k, v = (p(h).view(b, -1, 1, D // HEADS).transpose(1, 2).expand(-1, self.heads, -1, -1) for p in (self.wk, self.wv))
+        ctx = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(ctx.transpose(1, 2).reshape(b, -1, D // HEADS * self.heads))
+        return x + self.mlp(self.norm2(x))
+
+
+class Llamaish(nn.Module):
+    def __init__(self, attention=Attention):
+        super().__init__()
+        blocks = [attention() if attention is InlineMQABlock else LlamaishBlock(attention) for _ in range(2)]
+        self.layers = nn.ModuleList(blocks)
         self.norm = nn.LayerNorm(D)
 
     def forward(self, x):
@@ -87,6 +125,8 @@ def _models():
         "encoder[s,b,h]": (enc_seq_first, None, lambda m, x, t: m(x, mask=mask), (SEQ, 3, D)),
         "transformer[b,s,h]": (full_transformer, None, lambda m, x, t: m(x, t, tgt_mask=mask), (3, SEQ, D)),
         "qkvo-up-down[b,s,h]": (Llamaish, 1, lambda m, x, t: m(x), (3, SEQ, D)),
+        "mqa-up-down[b,s,h]": (lambda: Llamaish(MQAttention), 1, lambda m, x, t: m(x), (3, SEQ, D)),
+        "mqa-inline[b,s,h]": (lambda: Llamaish(InlineMQABlock), 1, lambda m, x, t: m(x), (3, SEQ, D)),
     }
 
 

@@ -1,7 +1,8 @@
 """Plans that would split a model wrongly are refused with a ValueError naming the layer and why, before anything
-changes: a hand-written plan cutting a fused projection, a plan naming a module that does not exist, litgpt head
-counts that can be neither split nor replicated, and a whole-width op between an explicit column/row pair whose
-names no family knows."""
+changes: a hand-written plan cutting a fused projection whose forward cannot be read, a plan naming a module that does
+not exist, litgpt head counts that can be neither split nor replicated, and a whole-width op between an explicit
+column/row pair whose names no family knows. A hand-written plan naming the layers of an attention the plan reads by
+structure gets that attention's layout (split by heads, its head-count attribute per rank)."""
 from __future__ import annotations
 
 import copy
@@ -50,10 +51,21 @@ class Mixer(nn.Module):
         return self.b(torch.relu(self.ln(self.a(x))))
 
 
+class UnreadableFusedAttention(FusedAttention):
+    """The same attention over each sequence in a Python loop: torch.fx cannot iterate over a tensor."""
+
+    def forward(self, x):
+        return torch.stack([super(UnreadableFusedAttention, self).forward(row[None])[0] for row in x])
+
+
 def test_a_hand_written_plan_cutting_a_fused_projection_is_refused():
-    """Before: accepted, and each rank got whole q rows and half the k rows (a contiguous half of [q | k | v])."""
-    model = nn.Sequential(FusedAttention())
-    message = _refused(model, {"0.qkv": "column", "0.out": "row"})
+    """Before: accepted, and each rank got whole q rows and half the k rows (a contiguous half of [q | k | v]). Now
+    the fused projection is split by heads where the forward can be read, refused where it cannot."""
+    plan = {"0.qkv": "column", "0.out": "row"}
+    (unit,) = build_plan(nn.Sequential(FusedAttention()), plan, 2).units
+    assert (unit.family, unit.found_by, unit.qkv_heads["0.qkv"].blocks) == ("attention", "structure", (16, 16, 16))
+    assert unit.head_values == {("0", ("heads",)): 2}  # view(b, t, self.heads, -1): half the heads per rank
+    message = _refused(nn.Sequential(UnreadableFusedAttention()), plan)
     assert "0.qkv has 48 outputs but 0.out take(s) 16 inputs" in message and "[q | k | v]" in message
     gated = nn.Sequential(nn.Linear(8, 64), nn.SiLU(), nn.Linear(32, 8))  # [gate | up] fused: 64 -> 32
     assert "0 has 64 outputs but 2 take(s) 32 inputs" in _refused(gated, {"0": "column", "2": "row"})
@@ -95,12 +107,12 @@ class HeadNormAttention(FusedAttention):
 def test_a_whole_width_norm_between_an_explicit_pair_with_unknown_names_is_refused():
     """The names match no family, so only the explicit plan's own check sees the norm (the named-MLP tests of
     test_parallel_between.py never reach it): a LayerNorm module by structure, F.layer_norm along the traced
-    data flow; a per-head norm inside a hand-planned attention stays accepted."""
+    data flow; a per-head norm inside a hand-planned attention stays accepted (read by structure: an attention)."""
     assert "ln (LayerNorm) normalises 32 features" in _refused(Mixer(), {"a": "column", "b": "row"})
     message = _refused(FunctionalNormMixer(), {"a": "column", "b": "row"})
     assert "layer_norm (call_function) normalises the 32 features a split, on the way to b" in message
     plan = {"0.w?": "column", "0.out": "row"}
-    assert [u.family for u in build_plan(nn.Sequential(HeadNormAttention()), plan, 2).units] == ["explicit"]
+    assert [u.family for u in build_plan(nn.Sequential(HeadNormAttention()), plan, 2).units] == ["attention"]
 
 
 def test_litgpt_head_counts_that_can_be_neither_split_nor_replicated_are_refused():
