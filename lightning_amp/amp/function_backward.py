@@ -22,9 +22,11 @@ How, and what it leans on (docs/architecture.md, "torch and Lightning internals"
   at least one :func:`autocast_backward` is open in the process (reference counted across threads), and put
   back, the same object, when the last closes. torch has no public hook for "a Function was applied";
 * running the backward under autocast: public ``torch.autograd.graph.Node`` hooks on the Function's node
-  (a pre-hook enters ``torch.autocast``, a post-hook leaves it). If the backward raises, the post-hook does
-  not run; the autograd engine restores each node's thread-local state (autocast included) after it runs,
-  and ``tests/amp/test_function_backward.py`` checks that it does.
+  (a pre-hook sets the forward's autocast state with ``torch.set_autocast_enabled``/``_dtype``/``_cache_enabled``,
+  a post-hook puts the thread's previous one back: what ``torch.autocast`` blocks do, without their Python
+  objects). If the backward raises, the post-hook does not run; the autograd engine restores each node's
+  thread-local state (autocast included) after it runs, and ``tests/amp/test_function_backward.py`` checks that
+  it does.
 """
 from __future__ import annotations
 
@@ -52,17 +54,24 @@ def _forward_autocast() -> AutocastState:
 
 
 def _run_backward_under(node: BackwardCFunction, state: AutocastState) -> None:
-    """``node``'s backward runs under the autocast ``state`` (the hooks hold the state, not the node)."""
-    open_blocks: List[contextlib.ExitStack] = []
+    """``node``'s backward runs under the autocast ``state`` (weight cache off), as ``torch.autocast`` blocks would
+    run it; the hooks hold the state, not the node. The thread's previous autocast settings are put back after."""
+    saved: List[Tuple[List[Tuple[str, bool, torch.dtype]], bool]] = []
 
     def enter(grad_outputs: Any) -> None:
-        stack = contextlib.ExitStack()
+        saved.append(([(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                       for device, _ in state], torch.is_autocast_cache_enabled()))
         for device, dtype in state:
-            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
-        open_blocks.append(stack)
+            torch.set_autocast_dtype(device, dtype)
+            torch.set_autocast_enabled(device, True)
+        torch.set_autocast_cache_enabled(False)
 
     def leave(grad_inputs: Any, grad_outputs: Any) -> None:
-        open_blocks.pop().close()
+        devices, cache = saved.pop()
+        for device, enabled, dtype in devices:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(cache)
 
     node.register_prehook(enter)
     node.register_hook(leave)
