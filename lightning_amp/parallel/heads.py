@@ -228,7 +228,7 @@ class _Reading:
         """The first op after ``start`` (a projection) that is not elementwise (its output used once on the way)."""
         node = start
         while True:
-            users = list(node.users)
+            users = [user for user in node.users if not _reads_metadata(user, node)]
             if len(users) != 1:
                 raise _Unsplittable(f"the output of {start.target} is used {len(users)} times before it is split "
                                     "into heads")
@@ -449,3 +449,15 @@ def _describe(node: fx.Node) -> str:
     if node.op == "output":
         return "the module's output"
     return f"{getattr(node.target, '__name__', node.target)}"
+
+
+_METADATA_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda"})
+_METADATA_METHODS = frozenset({"size", "dim", "numel", "dtype", "is_floating_point", "is_contiguous"})
+
+
+def _reads_metadata(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` reads only ``node``'s shape, dtype or device (``t.shape[-1] // head_dim``, ``t.size(0)``):
+    no use of its data, so it does not keep the output from being split into heads."""
+    if user.op == "call_function" and user.target is getattr and user.args[0] is node:
+        return user.args[1] in _METADATA_ATTRIBUTES
+    return user.op == "call_method" and user.target in _METADATA_METHODS and user.args[0] is node

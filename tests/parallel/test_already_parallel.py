@@ -11,6 +11,7 @@ import logging
 import lightning as L
 import lightning.pytorch as pl
 import pytest
+import lightning_utilities.core.rank_zero as rank_zero_module
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -114,13 +115,31 @@ def test_trainer_refuses_a_model_parallelized_already(monkeypatch):
     _unchanged(module, {f"model.{k}": v for k, v in module.before.items()})
 
 
-def test_trainer_logs_the_plan_report_on_rank_0_and_keeps_it(monkeypatch, caplog):
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_trainer_logs_the_plan_report_on_rank_0_and_keeps_it(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    caplog.set_level(logging.INFO)
-    trainer = _fit(TitanModule(parallelized=False))
+    # the logger rank_zero_info writes to (Lightning points it at its own "...utilities.rank_zero" loggers, which
+    # stop propagating to the root logger once Lightning has set its handlers up, and which an earlier test's
+    # quiet_lightning() may have raised to ERROR: caplog would see nothing)
+    logger, handler, level = rank_zero_module.log, _Messages(), rank_zero_module.log.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        trainer = _fit(TitanModule(parallelized=False))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     report = trainer.strategy.plan_report
     assert [(u.family, u.found_by) for u in report.split].count(("attention", "structure")) == 2
     assert list(report.whole) == ["model.output"]
-    logged = [r.getMessage() for r in caplog.records if "tp_fused plan at" in r.getMessage()]
+    logged = [m for m in handler.messages if "tp_fused plan at" in m]
     assert len(logged) == 1 and logged[0].endswith(report.format())
     assert "model.layers.0.attention.wq" in logged[0] and "left whole" in logged[0]

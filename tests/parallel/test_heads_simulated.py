@@ -182,3 +182,34 @@ def test_renamed_transformers_llama_attention_is_found_by_structure():
                                             "head_dim": "width", "scaling": "temperature"})
     report = _check(full, (position, mask), lambda m, x, p, a: m(x, p, a)[0], 8, 2)
     assert report.split[0].found_by == "structure"
+
+
+class _WidthReadAttention(torch.nn.Module):
+    """examples/bert_sentiment.py's attention: the head count read from the projection's output width
+    (``t.shape[-1] // head_dim``), so each rank's forward finds its own heads; that read of the shape is no use of
+    the projection's data and must not keep the output from being split."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head_dim = DIM // HEADS
+        self.to_q, self.to_v = torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, DIM)
+        # no key bias (softmax cancels it: its gradient is rounding noise around 0, no relative error can be
+        # compared), no out bias (the simulation sums the ranks' outputs)
+        self.to_k, self.out = torch.nn.Linear(DIM, DIM, bias=False), torch.nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+
+        def split_heads(t):
+            return t.view(b, s, t.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
+
+        q, k, v = split_heads(self.to_q(x)), split_heads(self.to_k(x)), split_heads(self.to_v(x))
+        context = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(context.transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_an_attention_that_reads_its_heads_from_the_projections_width(tp):
+    report = _check(_WidthReadAttention(), (), lambda m, x: m(x), tp, HEADS)
+    assert report.split[0].attributes == {}  # nothing to change: each rank reads its own width
