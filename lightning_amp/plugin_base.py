@@ -15,18 +15,12 @@ from lightning_amp.amp.ladder import AmpLadder
 from lightning_amp.amp.ladder_rules import LadderRules
 from lightning_amp.amp.levels import (LEVEL_SUMMARIES, OPT_LEVELS, AmpProperties, DtypeName, NormPolicyName,
                                       OptLevelName, OutputDtypeName)
-from lightning_amp.amp.runtime import AmpRuntime
+from lightning_amp.amp.runtime import AmpRuntime, is_auto
 from lightning_amp.amp.scaler import SCALER_DEFAULTS, LossScaler
 
 Kind = Literal["trainer", "fabric"]
 _STATE_VERSION = 1
 AUTO = "auto"
-
-
-def is_auto(opt_level: Any) -> bool:
-    """Whether ``opt_level`` asks for the precision ladder (``"auto"``, any case)."""
-    return isinstance(opt_level, str) and opt_level.strip().lower() == AUTO
-
 
 def plugin_name(kind: Kind, opt_level: Optional[str] = None) -> str:
     """The public class name of the ``kind`` plugin of ``opt_level`` (None: the one that takes ``opt_level``):
@@ -112,37 +106,18 @@ class AmpPluginBase:
         super().__init__()
         #: whether the Trainer plugin logs ``amp/loss_scale`` and ``amp/skipped_steps``
         self.log_metrics = log_metrics
-        #: the precision ladder of ``opt_level="auto"`` (None at a fixed level)
-        self.ladder: Optional[AmpLadder] = None
-        if is_auto(opt_level):
-            if loss_scale is not None:
-                raise ValueError('`loss_scale` is set per rung with opt_level="auto": pass '
-                                 '`ladder=[(opt_level, loss_scale), ...]`, e.g. [("O2", 128.0), ("O1", "dynamic")]')
-            self.ladder = AmpLadder(ladder, ladder_rules, warn=rank_zero_warn)
-            opt_level, loss_scale = self.ladder.rung
-        elif ladder is not None or ladder_rules is not None:
-            raise ValueError(f'`ladder` and `ladder_rules` are for opt_level="auto"; got opt_level={opt_level!r}')
         scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                              growth_interval=growth_interval, hysteresis=hysteresis,
                              min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
-        #: the runtime of the level: prepare, forward context, backward, step, release
+        #: the runtime of the level (and of the ladder with "auto"): prepare, forward context, backward, step, release
         self.amp = AmpRuntime(opt_level, dtype, loss_scale, keep_batchnorm_fp32, master_weights, cast_model_outputs,
                               half_buffers, norm_policy, scaler_kwargs, combine_grad, fused_update, warn=rank_zero_warn,
-                              scaler_keywords_for_dynamic_only=self.ladder is not None)
-        self.resolve_for(self.amp.device_type)
+                              ladder=ladder, ladder_rules=ladder_rules)
 
-    def resolve_for(self, device_type: str) -> None:
-        """The model computes on ``device_type``: the level's defaults (and the ladder's, with "auto") resolve for it."""
-        self.amp.resolve_for(device_type)
-        if self.ladder is not None:
-            self.ladder.resolve(self.amp)
-
-    def ladder_objects(self, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any]) -> Dict[str, Any]:
-        """What a rollback restores: the model, every optimizer and LR scheduler (``"model"``, ``"optimizer_0"``, ...)."""
-        objects: Dict[str, Any] = {"model": model}
-        objects.update((f"optimizer_{i}", getattr(opt, "_optimizer", opt)) for i, opt in enumerate(optimizers))
-        objects.update((f"scheduler_{i}", scheduler) for i, scheduler in enumerate(schedulers))
-        return objects
+    @property
+    def ladder(self) -> Optional[AmpLadder]:
+        """The precision ladder of ``opt_level="auto"`` (its rung, moves, snapshots), None at a fixed level."""
+        return self.amp.ladder
 
     @property
     def precision(self) -> str:  # type: ignore[override]
@@ -186,31 +161,28 @@ class AmpPluginBase:
     @property
     def loss_scales(self) -> List[float]:
         """Current loss scale of every optimizer, in the order they were connected."""
-        return [s.scale for s in self.amp.engine.scalers]
+        return self.amp.loss_scales
 
     @property
     def scalers(self) -> List[LossScaler]:
         """The LossScaler of every optimizer."""
-        return list(self.amp.engine.scalers)
+        return self.amp.scalers
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far because of non-finite gradients (all optimizers; waits for
-        the flags of steps still on their way to the host)."""
-        return self.amp.engine.skipped_steps
+        """Optimizer steps skipped so far because of non-finite gradients (all optimizers, across the ladder's
+        moves and resumes; waits for the flags of steps still on their way to the host)."""
+        return self.amp.skipped_steps
 
     @property
     def last_nonfinite_params(self) -> List[str]:
         """Names of the params whose grads were non-finite at the last skipped step (this rank's view)."""
-        return self.amp.engine.last_nonfinite_params
+        return self.amp.last_nonfinite_params
 
     def state_dict(self) -> Dict[str, Any]:
         """Scaler state of every optimizer and the skipped-step counts (with "auto": the ladder's rung, reason and
-        snapshot step)."""
-        state = {"version": _STATE_VERSION, "opt_level": self.properties.opt_level, **self.amp.engine.state_dict()}
-        if self.ladder is not None:
-            state["ladder"] = self.ladder.state_dict()
-        return state
+        snapshot step): :meth:`AmpRuntime.state_dict`."""
+        return {"version": _STATE_VERSION, **self.amp.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "loss_scalers" not in state_dict:
@@ -218,9 +190,7 @@ class AmpPluginBase:
                 f"{type(self).__name__}.load_state_dict: `state_dict` must come from an AmpPrecision plugin "
                 f"(with a 'loss_scalers' list); got keys {sorted(state_dict) if isinstance(state_dict, dict) else state_dict!r}"
             )
-        if self.ladder is not None and "ladder" in state_dict:
-            self.ladder.load_state_dict(state_dict["ladder"], self.amp)  # its rung first: the scalers belong to it
-        self.amp.engine.load_state_dict(state_dict)
+        self.amp.load_state_dict(state_dict)
 
     def teardown(self) -> None:
         """End of a run: the model handed back as a plain module (:meth:`AmpRuntime.release`); the next

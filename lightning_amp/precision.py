@@ -91,8 +91,8 @@ class AmpPrecision(AmpPluginBase, Precision):
                 f"Fabric?). With Fabric use lightning_amp.fabric.{fabric_name}(...): "
                 f"`Fabric(plugins=[{fabric_name}()])`."
             )
-        self.resolve_for(trainer.strategy.root_device.type)
         refuse_strategy(self, trainer.strategy)
+        self.amp.resolve_for(trainer.strategy.root_device.type)
         self.amp.prepare(module, fsdp2=isinstance(trainer.strategy, ModelParallelStrategy))
         if self.properties.cast_model and not self.properties.fp32_params:
             for sub in module.modules():  # Lightning's own record of the module's dtype
@@ -111,8 +111,10 @@ class AmpPrecision(AmpPluginBase, Precision):
         return self.amp.forward_context()
 
     def connect(self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> tuple:
-        """Give each optimizer a scaler and an OptimizerStep, make step schedulers skip-aware."""
+        """Give each optimizer a scaler and an OptimizerStep, make step schedulers skip-aware (and, with "auto",
+        rolled back with the weights)."""
         self.amp.connect(optimizers, named_params(_unwrap(model)))
+        self.amp.rollback_extras = {f"scheduler_{index}": config.scheduler for index, config in enumerate(lr_schedulers)}
         for config in lr_schedulers:
             if getattr(config, "interval", "step") == "step":
                 make_scheduler_skip_aware(config.scheduler)
@@ -154,52 +156,38 @@ class AmpPrecision(AmpPluginBase, Precision):
         self.amp.state_of(optimizer)  # an optimizer not seen at connect is checked (LBFGS) and gets a scaler
         if isinstance(optimizer, LBFGS):  # allowed only without scaling: needs its closure
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        laddered = self.ladder is not None and self.amp.engine.states[0].optimizer is getattr(optimizer, "_optimizer",
-                                                                                               optimizer)
-        if laddered:
-            self.ladder.before_step(self.amp, lambda: self._ladder_objects(model))
+        self.amp.begin_step(optimizer)  # with "auto": the rollback point is the state before this step's forward
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)  # backward was skipped (training_step returned None)
             return None
+        logging = self._logging_step(model)
+        if logging and isinstance(closure_result, Tensor):
+            self.amp.log_loss(closure_result)  # with "auto": the loss-spike rule reads the logged steps' losses
         # closure=: as Lightning's bf16-mixed hands it to optimizer.step (a patched step or a step hook may read
         # it), dropped where the loss is scaled, as 16-mixed's GradScaler.step drops it (amp/step.py); it has run
         # already (the grads must exist before the overflow check) and returns its result
-        self.amp.step(optimizer, lambda: self._after_closure(model, optimizer),
-                      self._grads_read_before_step(model), closure=lambda: closure_result, **kwargs)
-        self._log_metrics(model, closure_result if laddered else None)
-        if laddered:
-            self.ladder.after_step(self.amp, lambda: self._ladder_objects(model))
+        self.amp.step(optimizer, lambda: self._after_closure(model, optimizer), self._grads_read_before_step(model),
+                      after_step=lambda: logging and self._log_metrics(model), closure=lambda: closure_result,
+                      **kwargs)
         return closure_result
 
-    def _ladder_objects(self, model: "pl.LightningModule") -> Dict[str, Any]:
-        """What a ladder's rollback restores: the LightningModule, the Trainer's optimizers and LR schedulers."""
-        trainer = model._trainer
-        return self.ladder_objects(_unwrap(model), trainer.optimizers,
-                                   [config.scheduler for config in trainer.lr_scheduler_configs])
+    def _log_metrics(self, model: "pl.LightningModule") -> None:
+        """Log :meth:`AmpRuntime.metrics` (the level and scale the step ran at) unless ``log_metrics=False``."""
+        if self.log_metrics:
+            for name, value in self.amp.metrics().items():
+                model.log(name, value, on_step=True, on_epoch=False, logger=True, batch_size=1)
 
-    def _log_metrics(self, model: "pl.LightningModule", loss: Any = None) -> None:
-        """Log the scale (a device tensor) and the skipped steps settled so far, on the steps the
-        Trainer writes to its logger (``log_every_n_steps``) only (nothing with ``log_metrics=False``); with "auto"
-        also ``amp/level`` (the opt level's number) and ``amp/rung_changes``, and on those steps the step's training
-        ``loss`` goes to the ladder's spike rule (whether or not the metrics are logged)."""
+    @staticmethod
+    def _logging_step(model: "pl.LightningModule") -> bool:
+        """Whether this step writes to the Trainer's logger (``log_every_n_steps``, a logger, not barebones): the
+        plugin logs ``amp/loss_scale``, ``amp/skipped_steps`` (with "auto" also ``amp/level`` and
+        ``amp/rung_changes``, :meth:`AmpRuntime.metrics`) then, unless ``log_metrics=False``, and with "auto" the
+        step's training loss goes to the ladder's spike rule on those steps either way."""
         trainer = model._trainer
         if trainer is None or trainer.barebones or model._current_fx_name is None or trainer._results is None:
-            return
-        if trainer.logger is None or not trainer._logger_connector.should_update_logs:
-            return
-        if self.ladder is not None and isinstance(loss, Tensor):
-            self.ladder.log_loss(loss)
-        if not self.log_metrics:
-            return
-        scaler = self.amp.engine.scalers[0]
-        scale = scaler.static_scale if scaler.static_scale is not None else scaler.scale_tensor.clone()
-        skipped = self.amp.engine.settled_skipped_steps
-        values = [("amp/loss_scale", scale), ("amp/skipped_steps", float(skipped))]
-        if self.ladder is not None:
-            values += [("amp/level", float(self.properties.opt_level[1])), ("amp/rung_changes", float(self.ladder.changes))]
-        for name, value in values:
-            model.log(name, value, on_step=True, on_epoch=False, logger=True, batch_size=1)
+            return False
+        return trainer.logger is not None and trainer._logger_connector.should_update_logs
 
     def clip_gradients(
         self,

@@ -52,3 +52,26 @@ def test_amp_modules_import_no_circle():
     for start in graph:
         found = cycle_from(start, [])
         assert found is None, f"import circle in amp/: {' -> '.join(found)}"
+
+
+_LADDER_SEQUENCING = {"before_step", "after_step", "move", "attach", "resolve", "load_state_dict", "state_dict"}
+
+
+def test_nothing_outside_amp_reaches_past_the_runtime_into_its_engine_or_ladder():
+    """The plugins, strategies and tools talk to ``AmpRuntime`` (``plugin.amp``) only: no ``.engine`` attribute is
+    read outside amp/, and the ladder's sequencing (``before_step``, ``after_step``, ...) is called by the runtime
+    alone, so the Trainer and Fabric plugins share one implementation of it."""
+    package = _AMP.parent
+    offending = []
+    for path in sorted(package.rglob("*.py")):
+        if _AMP in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            reaches_engine = node.attr == "engine"
+            drives_ladder = (node.attr in _LADDER_SEQUENCING and isinstance(node.value, ast.Attribute)
+                             and node.value.attr == "ladder")
+            if reaches_engine or drives_ladder:
+                offending.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
+    assert offending == []

@@ -45,6 +45,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from lightning_amp.amp.process_state import ProcessChange
+
 HALF, FLOAT, PROMOTE = "half", "float", "promote"
 _REFUSE_FP16 = "refuse_fp16"
 _FLOAT_IF_CPU_FP16 = "float_if_cpu_fp16"
@@ -67,8 +69,6 @@ class UnsafeHalfOpError(RuntimeError):
 _MISSING = object()
 _lock = threading.RLock()
 _registry: Dict[Tuple[int, str], Tuple[Any, str, str]] = {}
-_refcount = 0
-_saved: List[Tuple[Any, str, Any]] = []
 _local = threading.local()
 
 
@@ -247,43 +247,37 @@ def _wrap_attribute(module: Any, name: str, policy: str, raw: Any) -> Any:
     return _policy_wrapper(getattr(module, name), policy)
 
 
-def _restore_saved() -> None:
-    while _saved:
-        module, name, raw = _saved.pop()
+def _restore(saved: List[Tuple[Any, str, Any]]) -> None:
+    while saved:
+        module, name, raw = saved.pop()
         if raw is _MISSING:
             delattr(module, name)
         else:
             setattr(module, name, raw)
 
 
-def _acquire() -> None:
-    global _refcount
+def _patch_all() -> List[Tuple[Any, str, Any]]:
+    """Wrap every registered function (and the default rules) in its policy; what was there before, to restore."""
+    saved: List[Tuple[Any, str, Any]] = []
     with _lock:
-        if _refcount == 0:
-            try:
-                for module, name, policy in _patch_targets():
-                    raw = vars(module).get(name, _MISSING) if hasattr(module, "__dict__") else _MISSING
-                    wrapper = _wrap_attribute(module, name, policy, raw)
-                    setattr(module, name, wrapper)
-                    _saved.append((module, name, raw))
-            except BaseException:
-                _restore_saved()
-                raise
-        _refcount += 1
+        try:
+            for module, name, policy in _patch_targets():
+                raw = vars(module).get(name, _MISSING) if hasattr(module, "__dict__") else _MISSING
+                wrapper = _wrap_attribute(module, name, policy, raw)
+                setattr(module, name, wrapper)
+                saved.append((module, name, raw))
+        except BaseException:
+            _restore(saved)
+            raise
+    return saved
 
 
-def _release() -> None:
-    global _refcount
-    with _lock:
-        _refcount -= 1
-        if _refcount == 0:
-            _restore_saved()
+_PATCHES = ProcessChange("torch functions patched by the cast lists", _patch_all, _restore)
 
 
 def patch_depth() -> int:
     """How many cast_contexts are open in the process (all threads); 0 means nothing is patched."""
-    with _lock:
-        return _refcount
+    return _PATCHES.holders
 
 
 @contextlib.contextmanager
@@ -300,11 +294,11 @@ def cast_context(dtype: torch.dtype, device_type: str = "cpu") -> Iterator[None]
         )
     if not isinstance(device_type, str) or not device_type:
         raise ValueError(f'`device_type` must be a device type string such as "cpu" or "cuda"; got {device_type!r}')
-    _acquire()
+    _PATCHES.acquire()
     stack = _context_stack()
     stack.append((dtype, device_type))
     try:
         yield
     finally:
         stack.pop()
-        _release()
+        _PATCHES.release()

@@ -113,13 +113,14 @@ class AmpEngine:
     def restart(self) -> None:
         """After a change of level: every optimizer gets a fresh scaler at the level's scale and a fresh step (its
         caches of the optimizer's state, which may have been reloaded, rebuilt; the grads it holds dropped). The
-        flags still on their way are waited for first."""
+        flags still on their way are waited for first; each optimizer's count of skipped steps carries on."""
         for state in self._states:
             state.gate.poll(wait=True)
         for index, state in enumerate(self._states):
             state.clear_grads()
             self._scalers[index] = self._new_scaler()
             self._states[index] = self._new_state(state.optimizer, self._scalers[index], self.combine_grad)
+            self._states[index].skipped = state.skipped
         self._last_scale = None
 
     @property

@@ -31,18 +31,16 @@ How, and what it leans on (docs/architecture.md, "torch and Lightning internals"
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any, Iterator, List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 from torch.autograd.function import BackwardCFunction
 
 from lightning_amp.amp import o2_policy
+from lightning_amp.amp.process_state import ProcessChange
 
 _LEFT_ALONE = ("torch.", "lightning_amp.")
 _AUTOCAST_DEVICES = ("cpu", "cuda")
-_lock = threading.Lock()
-_depth = 0
 _torchs_apply: Any = None  # torch's own ``vars(Function)["apply"]`` (a descriptor) while replaced
 
 AutocastState = List[Tuple[str, torch.dtype]]
@@ -92,26 +90,26 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     return outputs
 
 
-@contextlib.contextmanager
-def autocast_backward() -> Iterator[None]:
+def _replace_apply() -> Any:
+    global _torchs_apply
+    _torchs_apply = vars(torch.autograd.Function)["apply"]
+    torch.autograd.Function.apply = classmethod(_apply)
+    return _torchs_apply
+
+
+def _put_back(torchs_apply: Any) -> None:
+    torch.autograd.Function.apply = torchs_apply  # kept in _torchs_apply too: a call may be on its way
+
+
+_APPLY = ProcessChange("torch.autograd.Function.apply", _replace_apply, _put_back)
+
+
+def autocast_backward() -> contextlib.AbstractContextManager:
     """Inside the block, the backward of a user's Function applied where O2's rules are active runs under
     the autocast state of its forward (see the module docstring). Nestable, from any thread."""
-    global _depth, _torchs_apply
-    with _lock:
-        if _depth == 0:
-            _torchs_apply = vars(torch.autograd.Function)["apply"]
-            torch.autograd.Function.apply = classmethod(_apply)
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                torch.autograd.Function.apply = _torchs_apply  # kept in _torchs_apply: a call may be on its way
+    return _APPLY.held()
 
 
 def depth() -> int:
     """How many :func:`autocast_backward` blocks are open in the process (0: ``Function.apply`` is torch's)."""
-    with _lock:
-        return _depth
+    return _APPLY.holders

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_amp.amp.ladder_rules import LadderRules, Rung, RungWatch, check_ladder
+from lightning_amp.amp.ladder_rules import RUNG_ORDER, LadderRules, Rung, RungWatch, check_ladder, rung_height
 from lightning_amp.amp.ladder_snapshot import SnapshotStore
 from lightning_amp.amp.levels import resolve_properties
 
@@ -42,24 +42,26 @@ _STATE_VERSION = 1
 
 
 class _HostScalars:
-    """Scalars copied to the host without waiting; :meth:`landed` gives those whose copy has finished."""
+    """Scalars copied to the host without waiting, each with a tag; :meth:`landed` gives the (tag, value) pairs
+    whose copy has finished."""
 
     def __init__(self) -> None:
-        self._pending: List[Tuple[Tensor, Any]] = []
+        self._pending: List[Tuple[Any, Tensor, Any]] = []
 
-    def push(self, value: Tensor) -> None:
+    def push(self, tag: Any, value: Tensor) -> None:
         cuda = value.device.type == "cuda"
         host = torch.empty((), dtype=torch.float32, pin_memory=cuda)
         host.copy_(value.detach().reshape(()).float(), non_blocking=True)
         event = torch.cuda.Event() if cuda else None
         if event is not None:
             event.record()
-        self._pending.append((host, event))
+        self._pending.append((tag, host, event))
 
-    def landed(self) -> List[float]:
+    def landed(self) -> List[Tuple[Any, float]]:
         values = []
-        while self._pending and (self._pending[0][1] is None or self._pending[0][1].query()):
-            values.append(float(self._pending.pop(0)[0]))
+        while self._pending and (self._pending[0][2] is None or self._pending[0][2].query()):
+            tag, host, _ = self._pending.pop(0)
+            values.append((tag, float(host)))
         return values
 
 
@@ -102,6 +104,8 @@ class AmpLadder:
         self.moved_at: Optional[int] = None  #: the step of the last move
         self.snapshot_step: Optional[int] = None  #: the step the last move rolled back to
         self.steps = 0  #: optimizer steps of the first optimizer so far
+        self._forward_state = 0  # the steps taken before the last forward (the state it ran on)
+        self._before_step_of: Optional[int] = None  # the step count before_step last ran for
         self.snapshots = SnapshotStore(self.rules.snapshot_dir)
         self._watch = RungWatch(self.rules)
         self._watched: Any = None  # the gate watched
@@ -121,12 +125,20 @@ class AmpLadder:
         self.rungs = check_ladder(self.requested, runtime.properties.dtype)
         if self.index >= len(self.rungs):
             raise ValueError(f"the run is on rung {self.index} but `ladder` has {len(self.rungs)} rungs")
+        above: Optional[Tuple[int, int, float]] = None
         for index, rung in enumerate(self.rungs):
             try:
-                resolve_properties(**{**runtime.request, "opt_level": rung.opt_level, "loss_scale": rung.loss_scale},
-                                   device_type=runtime.device_type)
+                props = resolve_properties(**{**runtime.request, "opt_level": rung.opt_level,
+                                              "loss_scale": rung.loss_scale}, device_type=runtime.device_type)
             except ValueError as err:
                 raise ValueError(f"`ladder[{index}]` = {tuple(rung)} does not fit the other options: {err}") from None
+            height = rung_height(props.opt_level, props.loss_scale)
+            if above is not None and height >= above:
+                how = "repeats" if height == above else "stands above"
+                raise ValueError(f"`ladder[{index}]` = {tuple(rung)} ({props.opt_level}, loss scale {props.loss_scale!r} "
+                                 f"with {props.dtype}) {how} `ladder[{index - 1}]` = {tuple(self.rungs[index - 1])}: "
+                                 f"{RUNG_ORDER}")
+            above = height
         rung = self.rung
         if (runtime.properties.opt_level, runtime.request["loss_scale"]) != (rung.opt_level, rung.loss_scale):
             runtime.change_level(rung.opt_level, rung.loss_scale)
@@ -140,9 +152,11 @@ class AmpLadder:
         scaler = state.scaler
         floor = scaler.min_loss_scale if scaler.dynamic else None
         watch = self._watch
+        next_state = [self.steps]  # the flags land in order: the next one is of the step taken on this state
 
         def landed(skipped: bool, payload: Optional[Any]) -> None:
-            watch.step(skipped, float(payload[0]) if payload is not None else scaler.scale, floor)
+            watch.step(skipped, float(payload[0]) if payload is not None else scaler.scale, floor, next_state[0])
+            next_state[0] += 1
 
         self._watcher = landed
         state.gate.watchers.append(landed)
@@ -159,22 +173,42 @@ class AmpLadder:
     def before_step(self, runtime: Any, objects: Callable[[], Mapping[str, Any]]) -> None:
         """Before an optimizer step (its optimizer connected): its flags are watched from now on; the run's first
         state is the rollback point; every ``snapshot_every`` steps the previous candidate becomes it if no rule
-        fired since, and the state now is the new candidate."""
+        fired since, and the state now is the new candidate. Once per step: called again before the step is taken
+        (the runtime calls it before the closure and again at the step), it does nothing."""
         self.attach(runtime.engine)
+        if self._before_step_of == self.steps:
+            return
+        self._before_step_of = self.steps
         if self.snapshots.good is None:
             self.snapshots.take(self.steps, objects(), good=True)
         elif self.steps % self.rules.snapshot_every == 0 and (self.snapshots.candidate is None
                                                               or self.snapshots.candidate.step != self.steps):
-            calm = self._watch.calm
-            if calm if not _several_ranks() else not _any_rank(not calm, runtime):
+            ok = self._promotable()
+            if ok if not _several_ranks() else not _any_rank(not ok, runtime):
                 self.snapshots.promote()
             self.snapshots.take(self.steps, objects())
 
+    def _promotable(self) -> bool:
+        """Whether the candidate may become the rollback point: no rule fired and no streak is under way on this
+        rung, the candidate's state lay outside every streak (a state taken while losses spiked or steps
+        overflowed is never promoted, even if the streak ended without firing), and the flag of the step taken on
+        it has landed (a device behind the host: decided at the next boundary instead)."""
+        candidate, watch = self.snapshots.candidate, self._watch
+        if candidate is None:
+            return False
+        landed = watch.flags_through is not None and watch.flags_through >= candidate.step
+        return watch.calm and landed and watch.quiet_at(candidate.step)
+
+    def note_forward(self) -> None:
+        """A forward begins: the losses logged next were computed on the state after :attr:`steps` steps."""
+        self._forward_state = self.steps
+
     def log_loss(self, loss: Tensor) -> None:
-        """A logged step's training loss: copied to the host without waiting, judged once landed."""
-        self._losses.push(loss)
-        for value in self._losses.landed():
-            self._watch.loss(value)
+        """A logged step's training loss, of the last forward (:meth:`note_forward`): copied to the host without
+        waiting, judged once landed."""
+        self._losses.push(self._forward_state, loss)
+        for state, value in self._losses.landed():
+            self._watch.loss(value, state)
 
     def after_step(self, runtime: Any, objects: Callable[[], Mapping[str, Any]]) -> bool:
         """After an optimizer step: move one rung down if a rule fired (see the module docstring); under several
@@ -235,6 +269,7 @@ class AmpLadder:
         self.index, self.changes = int(state["rung"]), int(state["changes"])
         self.reason, self.moved_at, self.snapshot_step = state["reason"], state["moved_at"], state["snapshot_step"]
         self.steps = int(state["steps"])
+        self._before_step_of = None
         self.snapshots = SnapshotStore(self.rules.snapshot_dir)
         rung = self.rung
         if (runtime.properties.opt_level, runtime.request["loss_scale"]) != (rung.opt_level, rung.loss_scale):

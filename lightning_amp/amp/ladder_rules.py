@@ -76,6 +76,19 @@ def check_ladder(ladder: Optional[Sequence[Any]], dtype: Optional[torch.dtype]) 
     return tuple(rungs)
 
 
+def rung_height(opt_level: str, loss_scale: LossScaleSpec) -> Tuple[int, int, float]:
+    """Where a resolved rung (its level and effective loss scale) stands on a ladder, higher first: by opt level,
+    then a static scale above the dynamic one, then the larger static scale above the smaller. Each rung of a
+    ladder must stand strictly lower than the one before it (:meth:`AmpLadder.resolve` refuses it otherwise):
+    a move goes to a more conservative setting, never back up, and never to the same one."""
+    static = loss_scale != "dynamic"
+    return int(opt_level[1]), int(static), float(loss_scale) if static else 0.0
+
+
+RUNG_ORDER = ("each rung must stand below the one before it: a lower opt level (O2 > O1 > O0), or at the same level "
+              "the dynamic scale after a static one, or a smaller static scale after a larger one")
+
+
 def _check(name: str, value: Any, kind: type, low: float, high: float, low_open: bool = False) -> None:
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
     if ok:
@@ -140,6 +153,10 @@ class RungWatch:
 
     Feed it :meth:`step` for every optimizer step whose flag has landed (in order) and :meth:`loss` for every
     logged training loss; :meth:`verdict` is the reason to move (a sentence naming the rule), or None.
+
+    Each event names the *state* it was computed on (the number of optimizer steps taken before its forward), so
+    the watch knows which states lay inside a streak of non-finite steps or spiking losses (:meth:`quiet_at`): a
+    rollback point taken inside a streak is never promoted, even when the streak ends without firing a rule.
     """
 
     def __init__(self, rules: LadderRules) -> None:
@@ -150,11 +167,33 @@ class RungWatch:
         self.history: Deque[float] = deque(maxlen=rules.spike_history)
         self.spikes_in_a_row = 0
         self._reasons: List[str] = []
+        self.streaks: List[List[Optional[int]]] = []  # [first state, first state after it (None: going on)]
+        self._open = {"nonfinite": None, "spike": None}  # the streak of each kind going on now
+        self.flags_through: Optional[int] = None  # the last state whose step's flag has landed
 
-    def step(self, skipped: bool, scale: float, floor: Optional[float]) -> None:
+    def _streak(self, kind: str, inside: bool, state: Optional[int]) -> None:
+        if state is None:
+            return
+        streak = self._open[kind]
+        if inside and streak is None:
+            self._open[kind] = streak = [state, None]
+            self.streaks.append(streak)
+        elif not inside and streak is not None:
+            streak[1] = state
+            self._open[kind] = None
+
+    def quiet_at(self, state: int) -> bool:
+        """Whether the state after ``state`` optimizer steps lay outside every streak seen on this rung (events
+        without a state are not placed)."""
+        return not any(start <= state and (end is None or state < end) for start, end in self.streaks)
+
+    def step(self, skipped: bool, scale: float, floor: Optional[float], state: Optional[int] = None) -> None:
         """One optimizer step landed: ``skipped`` for non-finite grads, ``scale`` the loss scale after its update,
-        ``floor`` the dynamic scale's floor (None for a static scale)."""
+        ``floor`` the dynamic scale's floor (None for a static scale), ``state`` the steps taken before it."""
         rules = self.rules
+        self._streak("nonfinite", skipped, state)
+        if state is not None:
+            self.flags_through = state
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         self.at_floor_in_a_row = self.at_floor_in_a_row + 1 if skipped and floor is not None and scale <= floor else 0
         self.window.append(skipped)
@@ -170,14 +209,15 @@ class RungWatch:
                 self._reasons.append(f"max_skip_rate: {rate:.0%} of the last {rules.skip_window} steps skipped "
                                      f"(max_skip_rate={rules.max_skip_rate})")
 
-    def loss(self, value: float) -> None:
-        """One logged training loss (a host float)."""
+    def loss(self, value: float, state: Optional[int] = None) -> None:
+        """One logged training loss (a host float), of a forward on the state after ``state`` optimizer steps."""
         rules = self.rules
         if rules.spike_factor is None:
             return
         full = len(self.history) == rules.spike_history
         median = statistics.median(self.history) if full else None
         spike = not math.isfinite(value) or (median is not None and median > 0 and value > rules.spike_factor * median)
+        self._streak("spike", bool(spike and (full or not math.isfinite(value))), state)
         if spike and (full or not math.isfinite(value)):
             self.spikes_in_a_row += 1
             if self.spikes_in_a_row >= rules.spike_steps:

@@ -28,11 +28,13 @@ import copy
 import dataclasses
 import inspect
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_amp.amp.process_state import CountedElsewhere
 
 _INPUT_DTYPE_ATTR = "_lightning_amp_input_dtype"
 
@@ -42,10 +44,16 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Make ``dtype`` (a floating torch.dtype) torch's default dtype inside the block."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    _default_dtype_blocks.append(dtype)
     try:
         yield
     finally:
+        _default_dtype_blocks.remove(dtype)
         torch.set_default_dtype(previous)
+
+
+_default_dtype_blocks: List[torch.dtype] = []  # the default_dtype blocks open now (every thread)
+CountedElsewhere("torch's default dtype", lambda: len(_default_dtype_blocks))
 
 
 def saturate(tensor: Tensor, dtype: torch.dtype) -> Tensor:

@@ -38,6 +38,7 @@ import warnings
 from typing import Iterator, List, Optional, Tuple
 
 from lightning_amp import ops
+from lightning_amp.amp.process_state import CountedElsewhere
 
 _OVERRIDE_WARNING = r"(?s).*Overriding a previously registered kernel.*"
 _MODES = ("torch", "cuda-lists-on-cpu")
@@ -106,6 +107,9 @@ def installs() -> int:
     """How many holds keep the kernels registered now (0: torch's autocast is untouched)."""
     ext = ops.extension_module()
     return 0 if ext is None else int(ext.o2_installs())
+
+
+CountedElsewhere("O2's op policy: kernels registered on autocast's dispatch keys", installs)  # counted by the extension
 
 
 @contextlib.contextmanager

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, Set
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
+
+from lightning_amp.amp.process_state import CountedElsewhere
 
 
 class RecomputeState(Protocol):
@@ -52,6 +54,10 @@ def _graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+_open_hooks: Set[object] = set()  # the global hooks of the recompute contexts open now (every thread)
+CountedElsewhere("global module forward pre-hooks (a recomputing backward)", lambda: len(_open_hooks))
+
+
 @contextlib.contextmanager
 def recompute_context(state: RecomputeState) -> Iterator[None]:
     """Around a backward: module forwards re-run inside it get ``state`` (see the module docstring)."""
@@ -67,10 +73,12 @@ def recompute_context(state: RecomputeState) -> Iterator[None]:
         state.join()
 
     hook = register_module_forward_pre_hook(enter_state)
+    _open_hooks.add(hook)
     try:
         yield
     finally:
         hook.remove()
+        _open_hooks.discard(hook)
         with lock:
             if entered[0]:
                 state.exit()

@@ -19,6 +19,15 @@ Lifecycle: ``resolve_for(device_type)`` (optional: dtype "auto" and the forward'
 :mod:`~lightning_amp.amp.forward` (the forward), :class:`~lightning_amp.amp.engine.AmpEngine` (the
 optimizers, their scalers and steps), :mod:`~lightning_amp.amp.release` (the end of a run).
 
+``opt_level="auto"`` runs the precision ladder (:class:`~lightning_amp.amp.ladder.AmpLadder`, ``amp.ladder``)
+inside the same calls: :meth:`step` snapshots before and decides after each step of the first optimizer, and a
+move rolls back :meth:`rollback_objects` (the model, every optimizer, :attr:`rollback_extras`). A loop that runs
+its forward and backward inside the step (the Trainer's closure) calls :meth:`begin_step` first::
+
+    amp = AmpRuntime("auto", dtype="float16")           # the float16 ladder: O2/128 -> O1/128 -> O1/dynamic
+    amp.rollback_extras["scheduler"] = scheduler        # what else a rollback restores
+    ... as above; amp.log_loss(loss) feeds the loss-spike rule ...
+
 O2's op policy (:mod:`~lightning_amp.amp.o2_policy`) is registered process-wide while held:
 ``prepare(module, hold_policy=True)`` holds it until :meth:`release` (a Trainer run);
 ``hold_policy=False`` holds it for each forward context only (Fabric, which has no end of run); a
@@ -28,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -37,13 +46,15 @@ from torch.nn import Module
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
+from lightning_amp.amp.ladder import AmpLadder
+from lightning_amp.amp.ladder_rules import LadderRules
 from lightning_amp.amp.levels import AmpProperties, LossScaleSpec, resolve_properties
 from lightning_amp.amp.module_cast import (cast_floating, cast_module_, cast_outputs_hook, default_dtype,
                                            prepare_o2_module_)
 from lightning_amp.amp.o2_policy import PolicyHold, held as held_o2_policy, hold as hold_o2_policy
 from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.release import release_module_
-from lightning_amp.amp.scaler import SCALER_DEFAULTS, LossScaler, check_scaler_keywords
+from lightning_amp.amp.scaler import SCALER_DEFAULTS, LossScaler, check_scaler_keywords, checked_scaler_options
 from lightning_amp.amp.step import OptimizerStep
 
 
@@ -55,6 +66,11 @@ def named_params(module: Module) -> Dict[Tensor, List[str]]:
     return names
 
 
+def is_auto(opt_level: Any) -> bool:
+    """Whether ``opt_level`` asks for the precision ladder (``"auto"``, any case)."""
+    return isinstance(opt_level, str) and opt_level.strip().lower() == "auto"
+
+
 def casts_batch(props: AmpProperties) -> bool:
     """Whether the batch's floating tensors are cast to half before forward: the pure half model (O3)."""
     return props.cast_model and not props.autocast
@@ -64,17 +80,20 @@ class AmpRuntime:
     """One opt level's runtime (see the module docstring).
 
     Args:
-        opt_level, dtype, loss_scale, keep_batchnorm_fp32, master_weights, cast_model_outputs, half_buffers,
-            norm_policy: the level and its overrides (:func:`~lightning_amp.amp.levels.resolve_properties`).
+        opt_level: "O0".."O3", or "auto": the precision ladder, starting on the first rung of ``ladder``.
+        dtype, loss_scale, keep_batchnorm_fp32, master_weights, cast_model_outputs, half_buffers,
+            norm_policy: the level and its overrides (:func:`~lightning_amp.amp.levels.resolve_properties`);
+            with "auto" ``loss_scale`` is set per rung.
         scaler_kwargs: the dynamic :class:`LossScaler` keywords (:data:`~lightning_amp.amp.scaler.SCALER_DEFAULTS`
-            for those left out).
+            for those left out); with "auto" they configure the ladder's dynamic rungs (its static rungs ignore them).
         combine_grad, fused_update: as :class:`~lightning_amp.amp.step.OptimizerStep`.
         device_type: where the model computes ("cpu", "cuda", ...); None: "cuda" when available, else "cpu".
         warn: how warnings are issued (the Lightning plugins pass a rank-zero warn).
-        scaler_keywords_for_dynamic_only: the dynamic-scaler keywords configure the dynamic levels this runtime may
-            change to (:meth:`change_level`, the precision ladder): with a static scale they are kept, not refused.
+        ladder, ladder_rules: with "auto": the rungs and the :class:`~lightning_amp.amp.ladder_rules.LadderRules`
+            (:class:`~lightning_amp.amp.ladder.AmpLadder`; None: the defaults).
 
-    Raises ValueError naming the argument for any invalid option, at construction.
+    Raises ValueError (TypeError for an unknown scaler keyword) naming the argument for any invalid option, at
+    construction.
     """
 
     def __init__(self, opt_level: str = "O1", dtype: Union[str, torch.dtype] = "auto",
@@ -83,13 +102,22 @@ class AmpRuntime:
                  half_buffers: Optional[bool] = None, norm_policy: Optional[str] = None,
                  scaler_kwargs: Optional[Dict[str, Any]] = None, combine_grad: bool = False,
                  fused_update: bool = True, device_type: Optional[str] = None,
-                 warn: Callable[[str], Any] = warnings.warn, scaler_keywords_for_dynamic_only: bool = False) -> None:
+                 warn: Callable[[str], Any] = warnings.warn, ladder: Optional[Sequence[Any]] = None,
+                 ladder_rules: Optional[LadderRules] = None) -> None:
         for name, value in (("combine_grad", combine_grad), ("fused_update", fused_update)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False; got {value!r}")
-        unknown = sorted(set(scaler_kwargs or ()) - set(SCALER_DEFAULTS))
-        if unknown:
-            raise TypeError(f"unknown loss-scaler keywords {unknown}; allowed: {sorted(SCALER_DEFAULTS)}")
+        checked_scaler_options(**(scaler_kwargs or {}))
+        #: the precision ladder of ``opt_level="auto"`` (None at a fixed level)
+        self.ladder: Optional[AmpLadder] = None
+        if is_auto(opt_level):
+            if loss_scale is not None:
+                raise ValueError('`loss_scale` is set per rung with opt_level="auto": pass '
+                                 '`ladder=[(opt_level, loss_scale), ...]`, e.g. [("O2", 128.0), ("O1", "dynamic")]')
+            self.ladder = AmpLadder(ladder, ladder_rules, warn=warn)
+            opt_level, loss_scale = self.ladder.rung
+        elif ladder is not None or ladder_rules is not None:
+            raise ValueError(f'`ladder` and `ladder_rules` are for opt_level="auto"; got opt_level={opt_level!r}')
         #: the level as asked for (None: the level's default), resolved per device by :meth:`resolve_for`
         self.request: Dict[str, Any] = dict(opt_level=opt_level, dtype=dtype, loss_scale=loss_scale,
                                             keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
@@ -97,21 +125,24 @@ class AmpRuntime:
                                             norm_policy=norm_policy)
         self.scaler_kwargs: Dict[str, Any] = {**SCALER_DEFAULTS, **(scaler_kwargs or {})}
         self.combine_grad, self.fused_update, self.warn = combine_grad, fused_update, warn
-        self.scaler_keywords_for_dynamic_only = scaler_keywords_for_dynamic_only
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         self.properties = self._resolve(self.device_type)
         self.engine = AmpEngine(self.new_scaler, self.check_optimizer, combine_grad, fused_update, warn=warn)
+        #: with "auto": more objects a rollback restores (name -> object with ``state_dict``/``load_state_dict``),
+        #: e.g. ``{"scheduler": scheduler}`` (:meth:`rollback_objects`)
+        self.rollback_extras: Dict[str, Any] = {}
         self.module: Optional[Module] = None  # the model prepare() cast, until release()
         self._policy: Optional[PolicyHold] = None  # O2's op policy held from prepare() to release()
         self._policy_per_forward = False
         self._fsdp2_checked = False  # see _half_params_by_fsdp2
+        if self.ladder is not None:
+            self.ladder.resolve(self)  # the rungs checked against the options, the level on the first rung
 
     # ---- the level ---------------------------------------------------------------------
 
     def _resolve(self, device_type: str) -> AmpProperties:
         props = resolve_properties(**self.request, device_type=device_type)
-        LossScaler(props.loss_scale, **self.scaler_kwargs)  # validates the scaler keywords now
-        if not self.scaler_keywords_for_dynamic_only:
+        if self.ladder is None:  # with the ladder they configure its dynamic rungs
             check_scaler_keywords(props, self.request["loss_scale"], self.scaler_kwargs, self.warn)
         return props
 
@@ -120,6 +151,8 @@ class AmpRuntime:
         if device_type != self.device_type:
             self.device_type = device_type
             self.properties = self._resolve(device_type)
+            if self.ladder is not None:
+                self.ladder.resolve(self)
 
     def new_scaler(self) -> LossScaler:
         """A fresh LossScaler for the level (one per optimizer)."""
@@ -236,6 +269,8 @@ class AmpRuntime:
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         """The level's forward: :func:`lightning_amp.amp.forward.forward_context` on :attr:`device_type`."""
+        if self.ladder is not None:
+            self.ladder.note_forward()
         if not self._fsdp2_checked:
             self._half_params_by_fsdp2()
         with self._policy_for_a_block(), amp_forward.forward_context(self.properties, self.device_type):
@@ -279,12 +314,122 @@ class AmpRuntime:
         """The step of ``optimizer`` (wrapped or not); one not connected gets a scaler of its own."""
         return self.engine.state_of(optimizer)
 
+    def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer step begins: call before its closure where the loop runs the forward and backward inside
+        the step (the Trainer); :meth:`step` calls it too (idempotent). With the ladder and the first optimizer,
+        its rollback points (:meth:`AmpLadder.before_step`)."""
+        if self._laddered(optimizer):
+            self.ladder.before_step(self, self.rollback_objects)
+
     def step(self, optimizer: torch.optim.Optimizer, after_unscale: Callable[[], None] = lambda: None,
-             grads_read: bool = False, **step_kwargs: Any) -> None:
+             grads_read: bool = False, after_step: Callable[[], None] = lambda: None, **step_kwargs: Any) -> None:
         """Unscale (or only check), agree on inf/nan across ranks, ``after_unscale()``, then step or skip on
-        the device: :meth:`AmpEngine.step`."""
+        the device (:meth:`AmpEngine.step`), then ``after_step()`` (e.g. log :meth:`metrics`: the level and scale
+        this step ran at); with the ladder and the first optimizer, the snapshot before and the decision after all
+        that (a move rolls back :meth:`rollback_objects` and changes the level)."""
+        laddered = self._laddered(optimizer)
+        if laddered:
+            self.ladder.before_step(self, self.rollback_objects)
         self.engine.step(optimizer, after_unscale, grads_read, **step_kwargs)
+        after_step()
+        if laddered:
+            self.ladder.after_step(self, self.rollback_objects)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s grads by their loss scale now (idempotent until the next backward)."""
         self.engine.state_of(optimizer).unscale()
+
+    # ---- the ladder (opt_level="auto") -------------------------------------------------
+
+    def _laddered(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s steps drive the ladder: the first optimizer connected (the others' steps are
+        rolled back with it)."""
+        return self.ladder is not None and self.engine.state_of(optimizer) is self.engine.states[0]
+
+    def rollback_objects(self) -> Dict[str, Any]:
+        """What a ladder's rollback restores: ``"model"`` (the prepared model), ``"optimizer_0"``, ... (every
+        connected optimizer) and :attr:`rollback_extras` (the Trainer plugin puts its LR schedulers there)."""
+        objects: Dict[str, Any] = {"model": self.module}
+        objects.update((f"optimizer_{index}", state.optimizer) for index, state in enumerate(self.engine.states))
+        objects.update(self.rollback_extras)
+        return objects
+
+    def log_loss(self, loss: Tensor) -> None:
+        """A training loss for the ladder's loss-spike rule (copied to the host without waiting); nothing without
+        the ladder. The Trainer plugin passes the losses of its logging steps."""
+        if self.ladder is not None:
+            self.ladder.log_loss(loss)
+
+    # ---- what the run shows ------------------------------------------------------------
+
+    def connected(self, optimizer: torch.optim.Optimizer) -> Optional[OptimizerStep]:
+        """The step of ``optimizer`` if it is connected, else None (nothing is connected by asking)."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return next((state for state in self.engine.states if state.optimizer is optimizer), None)
+
+    @property
+    def optimizers(self) -> List[torch.optim.Optimizer]:
+        """The connected optimizers, in order."""
+        return [state.optimizer for state in self.engine.states]
+
+    @property
+    def scalers(self) -> List[LossScaler]:
+        """The LossScaler of every connected optimizer, in order."""
+        return list(self.engine.scalers)
+
+    @property
+    def loss_scales(self) -> List[float]:
+        """Current loss scale of every connected optimizer, in order."""
+        return [scaler.scale for scaler in self.engine.scalers]
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite grads so far, all optimizers, across ladder moves and resumes
+        (waits for the flags still on their way to the host)."""
+        return self.engine.skipped_steps
+
+    @property
+    def settled_skipped_steps(self) -> int:
+        """:attr:`skipped_steps` whose flags have reached the host (no wait)."""
+        return self.engine.settled_skipped_steps
+
+    @property
+    def last_nonfinite_params(self) -> List[str]:
+        """Names of the params whose grads were non-finite at the last skipped step (this rank's view)."""
+        return self.engine.last_nonfinite_params
+
+    @property
+    def drivers(self) -> List[str]:
+        """Who runs each connected optimizer's update: "kernel", "protocol" or "host" (:class:`OptimizerStep`)."""
+        return [state.driver for state in self.engine.states]
+
+    def metrics(self) -> Dict[str, Union[float, Tensor]]:
+        """What a logger shows of the run, read without a host sync: ``amp/loss_scale`` (the first optimizer's
+        scale: a float when static, else a device tensor), ``amp/skipped_steps`` (settled so far); with the ladder
+        ``amp/level`` (the opt level's number) and ``amp/rung_changes``."""
+        values: Dict[str, Union[float, Tensor]] = {}
+        if self.engine.scalers:
+            scaler = self.engine.scalers[0]
+            values["amp/loss_scale"] = (scaler.static_scale if scaler.static_scale is not None
+                                        else scaler.scale_tensor.clone())
+        values["amp/skipped_steps"] = float(self.settled_skipped_steps)
+        if self.ladder is not None:
+            values["amp/level"] = float(self.properties.opt_level[1])
+            values["amp/rung_changes"] = float(self.ladder.changes)
+        return values
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The loss scalers and skipped-step counts of every optimizer; with the ladder its rung, moves and step."""
+        state = {"opt_level": self.properties.opt_level, **self.engine.state_dict()}
+        if self.ladder is not None:
+            state["ladder"] = self.ladder.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the ladder's rung first (the scalers belong to it), then the scalers
+        (applied when the optimizers connect, if they have not yet)."""
+        if self.ladder is not None and "ladder" in state_dict:
+            self.ladder.load_state_dict(state_dict["ladder"], self)
+        self.engine.load_state_dict(dict(state_dict))

@@ -64,6 +64,36 @@ def _positive_int(value: object, name: str) -> int:
     raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}")
 
 
+def checked_scaler_options(**options: Any) -> Dict[str, Any]:
+    """The dynamic-scaler keywords (:data:`SCALER_DEFAULTS`' names; those left out take the defaults), checked and
+    normalised (``min_loss_scale`` None becomes 1.0): TypeError for an unknown keyword, ValueError naming the
+    keyword and its allowed values otherwise. ``init_scale`` must lie within the bounds for a static scale too:
+    the same arguments must work on every device, where the level may resolve to a dynamic scale."""
+    unknown = sorted(set(options) - set(SCALER_DEFAULTS))
+    if unknown:
+        raise TypeError(f"unknown loss-scaler keywords {unknown}; allowed: {sorted(SCALER_DEFAULTS)}")
+    options = {**SCALER_DEFAULTS, **options}
+    out = {name: _positive_finite(options[name], name)
+           for name in ("init_scale", "growth_factor", "backoff_factor", "max_loss_scale")}
+    if out["growth_factor"] <= 1.0:
+        raise ValueError(f"`growth_factor` must be a finite number > 1; got {out['growth_factor']!r}")
+    if not 0.0 < out["backoff_factor"] < 1.0:
+        raise ValueError(f"`backoff_factor` must be in the open interval (0, 1); got {out['backoff_factor']!r}")
+    out["growth_interval"] = _positive_int(options["growth_interval"], "growth_interval")
+    out["hysteresis"] = _positive_int(options["hysteresis"], "hysteresis")
+    floor = options["min_loss_scale"]
+    out["min_loss_scale"] = DEFAULT_MIN_LOSS_SCALE if floor is None else _positive_finite(floor, "min_loss_scale")
+    if out["min_loss_scale"] > out["max_loss_scale"]:
+        raise ValueError(f"`min_loss_scale` ({out['min_loss_scale']}) must be <= `max_loss_scale` "
+                         f"({out['max_loss_scale']}); the default floor is 1.0")
+    if not out["min_loss_scale"] <= out["init_scale"] <= out["max_loss_scale"]:
+        raise ValueError(
+            f"`init_scale` ({out['init_scale']}) must lie within [`min_loss_scale`, `max_loss_scale`] = "
+            f"[{out['min_loss_scale']}, {out['max_loss_scale']}] (the default floor is 1.0): pass an `init_scale` "
+            "inside the bounds")
+    return out
+
+
 class LossScaler:
     """Multiplier applied to the loss before backward, adapted to gradient overflows.
 
@@ -90,40 +120,18 @@ class LossScaler:
         max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"],
     ) -> None:
         spec = check_loss_scale(loss_scale)
-        init_scale = _positive_finite(init_scale, "init_scale")
-        growth_factor = _positive_finite(growth_factor, "growth_factor")
-        if growth_factor <= 1.0:
-            raise ValueError(f"`growth_factor` must be a finite number > 1; got {growth_factor!r}")
-        backoff_factor = _positive_finite(backoff_factor, "backoff_factor")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"`backoff_factor` must be in the open interval (0, 1); got {backoff_factor!r}")
-        self.growth_interval = _positive_int(growth_interval, "growth_interval")
-        self.hysteresis = _positive_int(hysteresis, "hysteresis")
-        if min_loss_scale is None:
-            min_scale = DEFAULT_MIN_LOSS_SCALE
-        else:
-            min_scale = _positive_finite(min_loss_scale, "min_loss_scale")
-        max_scale = _positive_finite(max_loss_scale, "max_loss_scale")
-        if min_scale > max_scale:
-            raise ValueError(
-                f"`min_loss_scale` ({min_scale}) must be <= `max_loss_scale` ({max_scale}); "
-                "the default floor is 1.0"
-            )
-
+        options = checked_scaler_options(init_scale=init_scale, growth_factor=growth_factor,
+                                         backoff_factor=backoff_factor, growth_interval=growth_interval,
+                                         hysteresis=hysteresis, min_loss_scale=min_loss_scale,
+                                         max_loss_scale=max_loss_scale)
         self.dynamic = spec == "dynamic"
-        if not min_scale <= init_scale <= max_scale:  # static too: the same arguments must work on every device
-            raise ValueError(
-                f"`init_scale` ({init_scale}) must lie within [`min_loss_scale`, `max_loss_scale`] = "
-                f"[{min_scale}, {max_scale}] (the default floor is 1.0): pass an `init_scale` inside the bounds"
-            )
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.min_loss_scale = min_scale
-        self.max_loss_scale = max_scale
+        self.growth_factor, self.backoff_factor = options["growth_factor"], options["backoff_factor"]
+        self.growth_interval, self.hysteresis = options["growth_interval"], options["hysteresis"]
+        self.min_loss_scale, self.max_loss_scale = options["min_loss_scale"], options["max_loss_scale"]
         #: the static scale as a Python float (None when dynamic): known on the host, never changes
         self.static_scale: Optional[float] = None if self.dynamic else spec
         self.steps = 0  # updates so far (host-side: every update is counted without reading the flag)
-        scale = init_scale if self.dynamic else spec
+        scale = options["init_scale"] if self.dynamic else spec
         self._set_state(scale, 0, self.hysteresis, 0, 0, torch.device("cpu"))
 
     def _set_state(self, scale: float, growth: int, hyst: int, in_a_row: int, total: int, device) -> None:

@@ -141,8 +141,8 @@ def stepped_by(trainer: L.Trainer) -> str:
     """Who ran the update: lightning-amp's kernels (a plain torch Adam/AdamW/SGD under the plugin), the
     optimizer with in-kernel unscaling (FusedAdam, ``fused=True``), or the optimizer's own ``step()``."""
     amp = getattr(trainer.precision_plugin, "amp", None)  # lightning-amp's plugins only
-    states = amp.engine.states if amp is not None else []
-    return STEPPED_BY[states[0].driver] if states else STEPPED_BY["host"]
+    drivers = amp.drivers if amp is not None else []
+    return STEPPED_BY[drivers[0]] if drivers else STEPPED_BY["host"]
 
 
 def resolved_dtype_name(level: str, dtype: str, device_type: str) -> str:

@@ -28,7 +28,7 @@
 * ``opt_level="auto"`` (``FabricAmpAutoPrecision``): the ladder (:mod:`lightning_amp.amp.ladder`) snapshots
   before and decides after each step of the first optimizer; a rollback restores the model, the optimizers
   and what ``plugin.rollback_extras`` holds (LR schedulers: Fabric does not show them to the plugin). The
-  loss-spike rule reads what ``plugin.ladder.log_loss(loss)`` is given (Fabric has no logging steps).
+  loss-spike rule reads what ``plugin.amp.log_loss(loss)`` is given (Fabric has no logging steps).
 * LR schedulers: Fabric does not see them; call :func:`~lightning_amp.amp.gate.make_scheduler_skip_aware`
   on a per-step scheduler so that it does not advance on skipped steps.
 """
@@ -70,11 +70,16 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
     #: preparation over: ``convert_module`` then leaves the model alone and the strategy calls :meth:`prepare`
     prepared_by_strategy = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        #: with "auto": more objects a rollback restores (name -> object with ``state_dict``/``load_state_dict``),
-        #: e.g. ``{"scheduler": scheduler}``: Fabric does not show its precision plugin the LR schedulers
-        self.rollback_extras: Dict[str, Any] = {}
+    @property
+    def rollback_extras(self) -> Dict[str, Any]:
+        """With "auto": more objects a rollback restores (name -> object with ``state_dict``/``load_state_dict``),
+        e.g. ``plugin.rollback_extras["scheduler"] = scheduler``: Fabric does not show its precision plugin the LR
+        schedulers (:attr:`AmpRuntime.rollback_extras`)."""
+        return self.amp.rollback_extras
+
+    @rollback_extras.setter
+    def rollback_extras(self, extras: Dict[str, Any]) -> None:
+        self.amp.rollback_extras = dict(extras)
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -105,9 +110,9 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
     def _state(self, optimizer: Optimizer) -> OptimizerStep:
         """The runtime's step of ``optimizer``, connecting it the first time (see the module docstring)."""
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a _FabricOptimizer wraps the real one
-        for state in self.amp.engine.states:
-            if state.optimizer is optimizer:
-                return state
+        state = self.amp.connected(optimizer)
+        if state is not None:
+            return state
         saved = optimizer.param_groups[0].pop(_STATE_KEY, None) if optimizer.param_groups else None
         state = self.amp.add_optimizer(optimizer)
         if saved is not None:
@@ -150,23 +155,13 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
         state = self._state(optimizer)
         if isinstance(state.optimizer, LBFGS):  # allowed only without scaling: needs its closure
             return state.optimizer.step(**kwargs)
-        laddered = self.ladder is not None and state is self.amp.engine.states[0]
-        if laddered:
-            self.ladder.before_step(self.amp, self._ladder_objects)
+        self.amp.begin_step(state.optimizer)  # with "auto": the rollback point is the state before the closure
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
         if closure is not None:  # handed on already run (dropped where the loss is scaled, as GradScaler.step does)
             kwargs["closure"] = lambda: result
         self.amp.step(state.optimizer, **kwargs)
-        if laddered:
-            self.ladder.after_step(self.amp, self._ladder_objects)
         return result
-
-    def _ladder_objects(self) -> Dict[str, Any]:
-        """What a ladder's rollback restores: the model, every optimizer seen, and :attr:`rollback_extras`."""
-        objects = self.ladder_objects(self.amp.module, [s.optimizer for s in self.amp.engine.states], [])
-        objects.update(self.rollback_extras)
-        return objects
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Divide ``optimizer``'s grads by their loss scale now (``fabric.clip_gradients`` calls this first)."""

@@ -3,6 +3,8 @@
 pre-hook of a recomputing backward, the environment; and Lightning's ThroughputMonitor lookup, wrapped for
 our plugins only."""
 import os
+import pathlib
+import threading
 
 import lightning as L
 import pytest
@@ -15,9 +17,12 @@ from torch.utils.checkpoint import checkpoint
 
 from _lightning import quiet_lightning
 from lightning_amp import AmpPrecision, register_float_function
-from lightning_amp.amp import casts, function_backward, o2_policy
+from lightning_amp.amp import casts, function_backward, o2_policy, process_state
+from lightning_amp.amp.process_state import ProcessChange
+from lightning_amp.amp.runtime import AmpRuntime
 
 LEVELS = ("O1", "O2", "O3")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 class _Net(L.LightningModule):
@@ -56,6 +61,7 @@ def _snapshot():
         policy_installs=o2_policy.installs(),
         pre_hooks=dict(torch_module._global_forward_pre_hooks),
         environ=dict(os.environ),
+        active=process_state.active(),
     )
 
 
@@ -117,3 +123,74 @@ def test_throughput_monitor_lookup_answers_lightnings_own_for_its_plugins():
     assert lookup(MixedPrecision("bf16-mixed", "cpu")) == torch.bfloat16
     assert lookup(HalfPrecision("16-true")) == torch.float16
     assert lookup(AmpPrecision("O2", dtype="float16")) == torch.float16
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_report_of_what_is_active_is_empty_before_and_after_a_run(before_and_after, level):
+    before, after = before_and_after
+    assert before["active"] == after[level]["active"] == {}
+
+
+ACTIVE_IN_FORWARD = {
+    "O1": {"torch functions patched by the cast lists"},
+    "O2": {"torch functions patched by the cast lists", "torch.autograd.Function.apply",
+           "O2's op policy: kernels registered on autocast's dispatch keys"},
+    "O3": {"torch's default dtype"},
+}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_report_names_what_a_forward_holds_and_what_a_recomputing_backward_adds(level):
+    amp = AmpRuntime(level, dtype="bfloat16", device_type="cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    amp.prepare(model, hold_policy=False)
+    with amp.forward_context():
+        inside = process_state.active()
+    with amp.backward_context():
+        in_backward = process_state.active()
+    amp.release()
+    assert set(inside) == ACTIVE_IN_FORWARD[level] and all(holds >= 1 for holds in inside.values())
+    assert ("global module forward pre-hooks (a recomputing backward)" in in_backward) == (level != "O1")
+    assert process_state.active() == {}
+
+
+def test_every_change_the_report_knows_is_in_the_architecture_table():
+    process_state.active()  # imports every owner, so every change is registered
+    table = (ROOT / "docs" / "architecture.md").read_text().split("## Process-wide state", 1)[1].split("\n## ", 1)[0]
+    assert len(process_state.CHANGES) >= 5
+    assert [name for name in process_state.CHANGES if f"`{name}`" not in table] == []
+
+
+def test_a_change_is_applied_by_its_first_holder_and_undone_by_its_last_from_any_thread():
+    log = []
+    change = ProcessChange("a test change", lambda: log.append("apply") or len(log), lambda token: log.append(token))
+    try:
+        with change.held():
+            threads = [threading.Thread(target=change.acquire) for _ in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert change.holders == 4 and process_state.active("a test change") == {"a test change": 4}
+        for _ in range(3):
+            change.release()
+        assert log == ["apply", 1] and change.holders == 0 and process_state.active("a test change") == {}
+        with pytest.raises(RuntimeError, match="released more often than acquired"):
+            change.release()
+        with pytest.raises(ValueError, match="already registered"):
+            ProcessChange("a test change", lambda: None, lambda token: None)
+    finally:
+        del process_state.CHANGES["a test change"]
+
+
+def test_an_apply_that_fails_leaves_nothing_held():
+    def fail():
+        raise OSError("cannot")
+
+    change = ProcessChange("a failing change", fail, lambda token: None)
+    try:
+        with pytest.raises(OSError), change.held():
+            pass
+        assert change.holders == 0
+    finally:
+        del process_state.CHANGES["a failing change"]
