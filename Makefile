@@ -24,7 +24,7 @@ GPU_CHECK_OUT ?= gpu-check-out
 GPU_CHECK_BUDGET ?=
 PART ?=
 
-.PHONY: install test bench bench-docs docs clean gpu-check
+.PHONY: install test bench bench-docs pictures docs clean gpu-check
 
 install: $(STAMP)
 
@@ -55,6 +55,11 @@ bench: install
 bench-docs: install
 	$(VENV)/bin/lightning-amp bench --accelerator cpu --out bench-out
 	$(PY) benchmarks/publish_bench.py bench-out
+
+# The docs' pictures (docs/img/ladder-run.png, loss-scale-run.png, tp-split-llama-block.png) drawn from seeded CPU
+# runs at this commit (about 30 s on 2 cores; the commit is in each picture's footer). See benchmarks/draw_pictures.py.
+pictures: install
+	$(PY) benchmarks/draw_pictures.py --out docs/img
 
 gpu-check:
 	@$(GPU_PY) -c "import torch" 2>/dev/null || { echo "gpu-check: $(GPU_PY) has no torch; run make install or set GPU_PY"; exit 2; }
