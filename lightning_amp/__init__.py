@@ -1,27 +1,21 @@
-"""lightning-amp: Apex-style mixed precision, fused optimizers and fused tensor parallelism for Lightning."""
+"""lightning-amp: Apex-style mixed precision, fused optimizers and fused tensor parallelism for Lightning.
+
+``import lightning_amp`` imports every public name (:mod:`lightning_amp._public`), registering
+``strategy="tp_fused"`` with Lightning; in the ``lightning-amp`` command they import on first use instead, so
+that its argument parsing and ``--help`` import no torch (:mod:`lightning_amp._command`).
+"""
+import importlib
+
+from lightning_amp._command import started_as_command as _started_as_command
 from lightning_amp._version import version as _version
 
 __version__ = _version()
 
-import torch as _torch  # noqa: E402
-
-from lightning_amp._torch_support import warn_if_untested as _warn_if_untested  # noqa: E402
-
-_warn_if_untested(_torch.__version__)  # a torch outside the tested range: one warning naming it, no refusal
-
-from lightning_amp.amp.casts import (  # noqa: E402
-    float_function,
-    half_function,
-    promote_function,
-    register_float_function,
-    register_half_function,
-    register_promote_function,
-)
-from lightning_amp.amp.ladder_rules import LadderRules  # noqa: E402
-from lightning_amp.amp.runtime import AmpRuntime  # noqa: E402
-from lightning_amp.amp.scaler import LossScaler  # noqa: E402
-from lightning_amp.optimizers import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD  # noqa: E402
-from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from lightning_amp.parallel.strategy import TensorParallelStrategy  # noqa: E402  (registers "tp_fused")
-from lightning_amp.precision import AmpAutoPlugin, AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, AmpPrecision, main_params  # noqa: E402
-from lightning_amp.fabric.strategy import TensorParallelStrategy as _FabricTensorParallelStrategy  # noqa: E402,F401  (registers "tp_fused" for Fabric)
+if _started_as_command():
+    def __getattr__(name: str):
+        if name.startswith("_") and name != "__all__":  # a submodule probed by `from lightning_amp import _x`
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return getattr(importlib.import_module("lightning_amp._public"), name)
+else:
+    from lightning_amp._public import *  # noqa: F401,F403
+    from lightning_amp._public import __all__  # noqa: F401

@@ -13,8 +13,10 @@ table (step time over a window of steps, samples/s, the optimizer that ran, spee
 against fp32 and against Lightning's bf16-mixed, final loss against chance and against fp32); it
 writes DIR/bench.json, DIR/bench.png and DIR/bench.md. Defaults depend on the device: tiny models on
 CPU, BERT-base at batch 256 (and the others GPU-sized) on CUDA. Names (levels, models, dtype, ...)
-are case-insensitive. Bad arguments exit with status 2 and the command's usage (an unknown flag with
-the closest known one).
+are case-insensitive, and ``--dtype`` takes the names the plugins take ("fp16", "bf16", ...). Bad arguments
+exit with status 2, the command's usage and the allowed values, no traceback (an unknown flag with the closest
+known one). A ``--quick`` run labels its figures indicative: a few steps of tiny models time noise as much as
+the levels.
 
 ``build`` compiles the kernels for the running torch into the per-user cache ahead of first use (for a
 Docker image or an offline cluster; ``LIGHTNING_AMP_CACHE_DIR`` chooses the folder); exit status 1 when
@@ -24,21 +26,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import difflib
 import os
 import shlex
 import sys
 from typing import Optional, Sequence
 
+# What the parser needs imports no torch (tests/bench/test_cli_startup.py); a command that runs imports the rest
+from lightning_amp._dtype_names import HALF_DTYPES, half_dtype
+from lightning_amp._keywords import closest
+from lightning_amp.bench.choices import ACCELERATORS, DEFAULT_WARMUP, LEVELS, OPTIMIZERS
 from lightning_amp.bench.meta import commit, cpu_bf16_flags
 from lightning_amp.bench.models import MODELS, SIZES
-from lightning_amp.bench.optimizers import OPTIMIZERS
-from lightning_amp.bench.runner import DEFAULT_WARMUP
-from lightning_amp.bench.worker import ACCELERATORS, DTYPES, LEVELS
-from lightning_amp.ops import _build
 
 MODEL_NAMES = tuple(MODELS)
 QUICK = dict(size="tiny", steps=3, warmup=1)
+DTYPE_CHOICES = "auto, " + ", ".join(f"{dtype} ({'/'.join(names[1:])})" for dtype, names in HALF_DTYPES.items())
+QUICK_CAVEAT = ("quick run ({steps} timed steps after {warmup} warm-up, {size} models): the figures are indicative "
+                "only, a few steps time noise as much as the levels; run without --quick for figures to quote")
 EXAMPLES = """examples:
   lightning-amp bench --quick                        # smoke run: tiny models, six levels, 1 warm-up + 3 timed steps
   lightning-amp bench --models bert --levels fp32,bf16-mixed,O2 --steps 50 --out bench-out
@@ -67,15 +71,22 @@ def _comma_list(allowed: Sequence[str], what: str):
     return parse
 
 
+def _dtype(text: str) -> str:
+    """A half dtype by any name the plugins take (``fp16`` is ``float16``), or "auto": its torch name."""
+    name = half_dtype(text)
+    if name is None:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {DTYPE_CHOICES}")
+    return name
+
+
 def _suggestion(unknown: Sequence[str], parser: argparse.ArgumentParser) -> str:
     """The hint ``" (did you mean --levels?)"`` for the first unknown ``--flag`` close to one of
     ``parser``'s flags; "" when none is close."""
     flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
     for arg in unknown:
-        if arg.startswith("--"):
-            close = difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.6)
-            if close:
-                return f" (did you mean {close[0]}?)"
+        near = closest(arg.split("=")[0], flags) if arg.startswith("--") else ""
+        if near:
+            return f" (did you mean {near}?)"
     return ""
 
 
@@ -106,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--levels", type=_comma_list(LEVELS, "level"), default=None,
                        help=f"comma-separated, from {','.join(LEVELS)} (default: {','.join(default_levels('auto'))}; "
                             "with --dtype float16 the 16-mixed/16-true peers)")
-    bench.add_argument("--dtype", type=str.lower, choices=DTYPES, default="auto",
-                       help="half dtype of O1-O3; auto = bfloat16 on CPU and bf16-capable GPUs, else float16")
+    bench.add_argument("--dtype", type=_dtype, default="auto", metavar="DTYPE",
+                       help=f"half dtype of O1-O3, as the plugins name it: {DTYPE_CHOICES}; auto = bfloat16 on CPU "
+                            "and bf16-capable GPUs, else float16 (default: auto)")
     bench.add_argument("--accelerator", type=str.lower, choices=ACCELERATORS, default="auto",
                        help="auto = cuda when torch sees a GPU, else cpu (default: auto)")
     bench.add_argument("--steps", type=_int_at_least(1), default=None,
@@ -129,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="example = each example's own (torch AdamW/Adam); fused-adam = lightning-amp's FusedAdam "
                             "in its place, same param groups and hyperparameters (default: example)")
     bench.add_argument("--out", default="bench-out", help="output folder for bench.json/png/md (default: bench-out)")
-    bench.add_argument("--quick", action="store_true", help="a smoke run: tiny models, 1 warm-up + 3 timed steps")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run: tiny models, 1 warm-up + 3 timed steps; its figures are labelled indicative")
 
     bench.set_defaults(command_parser=bench)
 
@@ -166,17 +179,23 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     ok = [r for r in records if not r.get("error")]
     command = f"lightning-amp {shlex.join(args.argv)}"
     run = run_metadata(records, command, started, finished, source)
-    title = f"lightning-amp bench: {describe(run)}"
+    quick = " (quick run: indicative figures)" if args.quick else ""
+    if args.quick:
+        run["indicative"] = QUICK_CAVEAT.format(steps=steps, warmup=warmup, size=size)
+    title = f"lightning-amp bench{quick}: {describe(run)}"
     print_results(records, title, console)
+    if args.quick:
+        console.print(f"[bold]Note[/bold]: {run['indicative']}.")
     os.makedirs(args.out, exist_ok=True)
     write_json(records, os.path.join(args.out, "bench.json"), run=run)
     with open(os.path.join(args.out, "bench.md"), "w") as md:
         md.write(f"{title}; {run['duration_s']:.0f} s in all\n\ncommand: `{command}`\n\n")
+        md.write(f"Note: {run['indicative']}.\n\n" if args.quick else "")
         md.write(markdown_table(records))
     if ok:
         draw_chart(records, os.path.join(args.out, "bench.png"),
-                   title=f"lightning-amp bench on {run['device']}: ratios to fp32 and to Lightning's mixed precision",
-                   run=run)
+                   title=f"lightning-amp bench{quick} on {run['device']}: ratios to fp32 and to Lightning's mixed "
+                         "precision", run=run)
     console.print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if ok else "")
                   + f" in {run['duration_s']:.0f} s")
     return 0 if len(ok) == len(records) else 1
@@ -187,7 +206,8 @@ def _info() -> int:
     import torch
 
     import lightning_amp
-    from lightning_amp import ops
+    from lightning_amp import _public, ops  # noqa: F401  (the package in full: the torch-range warning included)
+    from lightning_amp.ops import _build
 
     print(f"lightning-amp {lightning_amp.__version__}, torch {torch.__version__}, lightning {lightning.__version__}")
     if ops.extension_error() is None:
@@ -210,6 +230,8 @@ def _info() -> int:
 
 
 def _build_command(force: bool) -> int:
+    from lightning_amp.ops import _build
+
     try:
         root = _build.require_source_dir()
         key = _build.build_key(root)

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_amp._keywords import checks_keywords
 from lightning_amp.amp.ladder import AmpLadder
 from lightning_amp.amp.ladder_rules import LadderRules
 from lightning_amp.amp.levels import (LEVEL_SUMMARIES, OPT_LEVELS, AmpProperties, DtypeName, NormPolicyName,
@@ -24,13 +25,19 @@ AUTO = "auto"
 
 def plugin_name(kind: Kind, opt_level: Optional[str] = None) -> str:
     """The public class name of the ``kind`` plugin of ``opt_level`` (None: the one that takes ``opt_level``):
-    ``AmpPrecision``/``AmpO2Plugin`` for the Trainer, ``FabricAmpPrecision``/``FabricAmpO2Precision`` for Fabric."""
-    level = "Auto" if is_auto(opt_level) else opt_level
-    if kind == "trainer":
-        return "AmpPrecision" if opt_level is None else f"Amp{level}Plugin"
-    return "FabricAmpPrecision" if opt_level is None else f"FabricAmp{level}Precision"
+    ``AmpPrecision``/``AmpO2Precision`` for the Trainer, ``FabricAmpPrecision``/``FabricAmpO2Precision`` for Fabric."""
+    level = "" if opt_level is None else "Auto" if is_auto(opt_level) else opt_level
+    return f"{'Amp' if kind == 'trainer' else 'FabricAmp'}{level}Precision"
 
 
+def former_name(kind: Kind, opt_level: str) -> Optional[str]:
+    """The name the ``kind`` class of ``opt_level`` had before the classes were named ``...Precision`` as Lightning's
+    (``AmpO2Plugin``), kept as a subclass of it that adds nothing (so LightningCLI still finds it by its short name);
+    None where the name is the same."""
+    return f"Amp{'Auto' if is_auto(opt_level) else opt_level}Plugin" if kind == "trainer" else None
+
+
+@checks_keywords(apex_options=True)
 class AmpPluginBase:
     """Mixin of both Lightning plugins (first in their bases, before Lightning's ``Precision``).
 
@@ -199,7 +206,10 @@ class AmpPluginBase:
         super().teardown()  # type: ignore[misc]
 
     def __repr__(self) -> str:
+        """The options as asked: ``opt_level='auto'`` with the rung the run is on now, else the level's loss scale."""
         props = self.properties
+        if self.ladder is not None:
+            return f"{type(self).__name__}(opt_level='auto', dtype={props.dtype}, rung='{self.ladder.rung}')"
         return f"{type(self).__name__}(opt_level={props.opt_level!r}, dtype={props.dtype}, loss_scale={props.loss_scale!r})"
 
 
@@ -218,7 +228,8 @@ class _FixedLevel:
 
 def level_classes(base: type, namespace: Dict[str, Any]) -> None:
     """Define ``base``'s class of every opt level in ``namespace`` (a module's globals), named by
-    :func:`plugin_name` and documented from :data:`~lightning_amp.amp.levels.LEVEL_SUMMARIES`."""
+    :func:`plugin_name` (and bound to its :func:`former_name` too) and documented from
+    :data:`~lightning_amp.amp.levels.LEVEL_SUMMARIES`."""
     for level in OPT_LEVELS + (AUTO,):
         name = plugin_name(base.kind, level)
         summary = LEVEL_SUMMARIES.get(level, "the precision ladder (``opt_level=\"auto\"``): starts on its first rung "
@@ -227,3 +238,8 @@ def level_classes(base: type, namespace: Dict[str, Any]) -> None:
                f"{summary} Same keyword arguments as :class:`{base.__module__}.{base.__name__}` but ``opt_level``.")
         namespace[name] = type(name, (_FixedLevel, base), {
             "fixed_opt_level": level, "__doc__": doc, "__module__": namespace["__name__"], "__qualname__": name})
+        former = former_name(base.kind, level)
+        if former:  # a subclass, not the same object: LightningCLI resolves a short name by the class's own name
+            namespace[former] = type(former, (namespace[name],), {
+                "__doc__": f"The former name of :class:`{name}` (the same plugin; {name} is the name to use).",
+                "__module__": namespace["__name__"], "__qualname__": former})

@@ -1,4 +1,5 @@
-"""AmpPrecision and AmpO0Plugin..AmpO3Plugin: the thin Lightning Trainer adapter over ``lightning_amp.amp``.
+"""AmpPrecision and AmpO0Precision..AmpO3Precision (formerly AmpO0Plugin..AmpO3Plugin): the thin Lightning
+Trainer adapter over ``lightning_amp.amp``.
 
 The plugin is a Trainer ``Precision`` (Lightning's ``Precision(FabricPrecision, CheckpointHooks)``) whose
 hooks call the :class:`~lightning_amp.amp.runtime.AmpRuntime` it holds as ``plugin.amp``; its options and
@@ -54,7 +55,7 @@ from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.param_views import optimizer_params
 from lightning_amp.amp.runtime import named_params
-from lightning_amp.plugin_base import AmpPluginBase, level_classes, plugin_name
+from lightning_amp.plugin_base import AmpPluginBase, former_name, level_classes, plugin_name
 from lightning_amp.unsupported import refuse_strategy
 
 
@@ -227,14 +228,22 @@ class AmpPrecision(AmpPluginBase, Precision):
                     break
 
 
-level_classes(AmpPrecision, globals())  # AmpO0Plugin .. AmpO3Plugin, AmpAutoPlugin
-AmpAutoPlugin: type[AmpPrecision]
+level_classes(AmpPrecision, globals())  # AmpO0Precision .. AmpO3Precision, AmpAutoPrecision (and the former names)
+AmpAutoPrecision: type[AmpPrecision]
+AmpO0Precision: type[AmpPrecision]
+AmpO1Precision: type[AmpPrecision]
+AmpO2Precision: type[AmpPrecision]
+AmpO3Precision: type[AmpPrecision]
+AmpAutoPlugin: type[AmpPrecision]  # the former names: the same classes (AmpO2Plugin is AmpO2Precision)
 AmpO0Plugin: type[AmpPrecision]
 AmpO1Plugin: type[AmpPrecision]
 AmpO2Plugin: type[AmpPrecision]
 AmpO3Plugin: type[AmpPrecision]
 
-_PLUGIN_NAMES = tuple(plugin_name("trainer", level) for level in (None, "O0", "O1", "O2", "O3", "auto"))
+_LEVELS = ("O0", "O1", "O2", "O3", "auto")
+#: the keys a checkpoint may hold this plugin's state under: the class names, and the former ones (AmpO2Plugin)
+_PLUGIN_NAMES = (plugin_name("trainer"), *(plugin_name("trainer", level) for level in _LEVELS),
+                 *(former_name("trainer", level) for level in _LEVELS))
 
 
 def _report_compute_dtype_to_throughput_monitor() -> None:
@@ -259,5 +268,6 @@ def _report_compute_dtype_to_throughput_monitor() -> None:
 _report_compute_dtype_to_throughput_monitor()
 
 
-__all__ = ["AmpPrecision", "AmpAutoPlugin", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin", "main_params",
+__all__ = ["AmpPrecision", "AmpAutoPrecision", "AmpO0Precision", "AmpO1Precision", "AmpO2Precision", "AmpO3Precision",
+           "AmpAutoPlugin", "AmpO0Plugin", "AmpO1Plugin", "AmpO2Plugin", "AmpO3Plugin", "main_params",
            "make_scheduler_skip_aware", "OVERFLOW_WARN_AFTER"]

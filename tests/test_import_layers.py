@@ -1,12 +1,15 @@
 """The package's layers as imports: ``amp/`` imports nothing above it (no Lightning, no optimizers,
-parallel or plugin modules) and its modules import one another without a circle."""
+parallel or plugin modules) and its modules import one another without a circle; below it, the tables and
+helpers every layer and the command line read import nothing of the package, torch or Lightning."""
 import ast
 import pathlib
 
 import lightning_amp
 
 _AMP = pathlib.Path(lightning_amp.__file__).parent / "amp"
-_BELOW_AMP = ("lightning_amp.amp", "lightning_amp.ops")
+#: imported by every layer and by the ``lightning-amp`` command's argument parsing, which imports no torch
+_BOTTOM = ("lightning_amp._keywords", "lightning_amp._dtype_names", "lightning_amp._command")
+_BELOW_AMP = ("lightning_amp.amp", "lightning_amp.ops", *_BOTTOM)
 
 
 def _imports(path: pathlib.Path) -> list:
@@ -75,3 +78,11 @@ def test_nothing_outside_amp_reaches_past_the_runtime_into_its_engine_or_ladder(
             if reaches_engine or drives_ladder:
                 offending.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
     assert offending == []
+
+
+def test_the_bottom_modules_import_nothing_of_the_package_torch_or_lightning():
+    root = _AMP.parent
+    for module in _BOTTOM:
+        imports = _imports(root / f"{module.split('.')[1]}.py")
+        up = [m for m in imports if m.split(".")[0] in ("lightning_amp", "torch", "lightning", "pytorch_lightning")]
+        assert not up, f"{module} imports {up}"

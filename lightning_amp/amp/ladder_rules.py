@@ -23,6 +23,7 @@ from typing import Any, Deque, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from lightning_amp._keywords import checks_keywords
 from lightning_amp.amp.ladder_snapshot import PathLike, snapshot_dir_path
 from lightning_amp.amp.levels import LossScaleSpec, check_loss_scale
 
@@ -88,17 +89,34 @@ def rung_height(opt_level: str, loss_scale: LossScaleSpec) -> Tuple[int, int, fl
 RUNG_ORDER = ("each rung must stand below the one before it: a lower opt level (O2 > O1 > O0), or at the same level "
               "the dynamic scale after a static one, or a smaller static scale after a larger one")
 
+_MOST = 2**62  # the largest count a rule takes (a bound a run cannot reach)
+
+
+def _written(number: float) -> str:
+    """``number`` as a person writes it: 2**62, 1, 0.5 (not 4611686018427387904, 1.0)."""
+    if number >= 2**20 and float(number).is_integer() and int(number) & (int(number) - 1) == 0:
+        return f"2**{int(number).bit_length() - 1}"
+    return f"{number:g}"
+
 
 def _check(name: str, value: Any, kind: type, low: float, high: float, low_open: bool = False) -> None:
+    """ValueError naming ``name`` unless ``value`` is a ``kind`` from ``low`` (excluded when ``low_open``) to ``high``
+    (``math.inf``: unbounded), the range written as a person writes it ("an integer from 1 to 2**62")."""
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
     if ok:
         ok = (value > low if low_open else value >= low) and value <= high and math.isfinite(value)
     if not ok:
-        bounds = f"{'(' if low_open else '['}{low}, {high}]"
-        what = "an integer" if kind is int else "a number"
-        raise ValueError(f"`{name}` must be {what} in {bounds}, or None to switch the rule off; got {value!r}")
+        noun = "an integer" if kind is int else "a number"
+        if high == math.inf:
+            bounds = f"a finite number {'>' if low_open else '>='} {_written(low)}"
+        elif low_open:
+            bounds = f"{noun} in ({_written(low)}, {_written(high)}]"
+        else:
+            bounds = f"{noun} from {_written(low)} to {_written(high)}"
+        raise ValueError(f"`{name}` must be {bounds}, or None to switch the rule off; got {value!r}")
 
 
+@checks_keywords
 @dataclass(frozen=True)
 class LadderRules:
     """When a run moves one rung down, and how often a rollback point is taken (docs/opt-levels.md
@@ -134,12 +152,11 @@ class LadderRules:
     snapshot_dir: Optional[PathLike] = None
 
     def __post_init__(self) -> None:
-        big = 2**62
         for name, kind, low, high, low_open in (
-                ("nonfinite_in_a_row", int, 1, big, False), ("max_skip_rate", float, 0.0, 1.0, True),
-                ("floor_patience", int, 1, big, False), ("spike_factor", float, 1.0, math.inf, True)):
+                ("nonfinite_in_a_row", int, 1, _MOST, False), ("max_skip_rate", float, 0.0, 1.0, True),
+                ("floor_patience", int, 1, _MOST, False), ("spike_factor", float, 1.0, math.inf, True)):
             if getattr(self, name) is not None:
-                _check(name, getattr(self, name), kind, low, high if high != math.inf else 1e300, low_open)
+                _check(name, getattr(self, name), kind, low, high, low_open)
         for name, low in (("skip_window", 1), ("spike_steps", 1), ("spike_history", 3), ("snapshot_every", 1),
                            ("decide_every", 1)):
             value = getattr(self, name)

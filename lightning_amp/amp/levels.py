@@ -48,24 +48,17 @@ from typing import Literal, Mapping, Optional, Union
 
 import torch
 
+from lightning_amp._dtype_names import AUTO, FP32_NAMES, HALF_DTYPE_NAMES, half_dtype, half_dtype_spellings
+
 LossScaleSpec = Union[float, str]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 
 _DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType(
-    {
-        "float16": torch.float16,
-        "fp16": torch.float16,
-        "half": torch.float16,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-    }
-)
-_FP32_NAMES = ("float32", "fp32", "float")
-_ALLOWED_DTYPES = '"float16"/"fp16"/"half", "bfloat16"/"bf16", torch.float16, torch.bfloat16 or "auto"'
+    {name: getattr(torch, dtype) for name, dtype in HALF_DTYPE_NAMES.items()})
+_ALLOWED_DTYPES = f'{half_dtype_spellings()}, torch.float16, torch.bfloat16 or "auto"'
 _OUTPUT_DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType(
-    {**_DTYPE_NAMES, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-     "float64": torch.float64, "double": torch.float64}
+    {**_DTYPE_NAMES, **dict.fromkeys(FP32_NAMES, torch.float32), "float64": torch.float64, "double": torch.float64}
 )
 
 
@@ -143,7 +136,7 @@ LEVEL_SUMMARIES: Mapping[str, str] = MappingProxyType({
 # checks them when it parses a config or a command line, so a bad value is a usage error there, not a
 # traceback. Level names are matched case-insensitively (both spellings listed).
 OptLevelName = Literal[(*OPT_LEVELS, *(level.lower() for level in OPT_LEVELS))]  # type: ignore[misc]
-DtypeName = Literal[("auto", *_DTYPE_NAMES, *_FP32_NAMES)]  # type: ignore[misc]
+DtypeName = Literal[("auto", *_DTYPE_NAMES, *FP32_NAMES)]  # type: ignore[misc]
 OutputDtypeName = Literal[tuple(_OUTPUT_DTYPE_NAMES)]  # type: ignore[misc]
 NormPolicyName = Literal[NORM_POLICIES]  # type: ignore[misc]
 
@@ -154,15 +147,11 @@ def resolve_dtype(dtype: Union[str, torch.dtype], device_type: str = "cpu") -> t
     "auto" gives bfloat16 on CPU and on CUDA devices that support it, float16 elsewhere.
     Raises ValueError naming ``dtype`` and the allowed values for anything else.
     """
-    if isinstance(dtype, torch.dtype):
-        if dtype in (torch.float16, torch.bfloat16):
-            return dtype
-    elif isinstance(dtype, str):
-        key = dtype.strip().lower()
-        if key == "auto":
-            return _auto_dtype(device_type)
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
+    if isinstance(dtype, torch.dtype) and dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    name = half_dtype(dtype)  # the plugins' names, shared with `lightning-amp bench --dtype`
+    if name is not None:
+        return _auto_dtype(device_type) if name == AUTO else getattr(torch, name)
     raise ValueError(f"`dtype` must be one of {_ALLOWED_DTYPES}; got {dtype!r}")
 
 
@@ -177,7 +166,7 @@ def _auto_dtype(device_type: str) -> torch.dtype:
 def _is_fp32_request(dtype: object) -> bool:
     if isinstance(dtype, torch.dtype):
         return dtype == torch.float32
-    return isinstance(dtype, str) and dtype.strip().lower() in _FP32_NAMES
+    return isinstance(dtype, str) and dtype.strip().lower() in FP32_NAMES
 
 
 def _check_opt_level(opt_level: object) -> str:

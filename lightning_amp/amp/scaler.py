@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_amp._keywords import checks_keywords
 from lightning_amp.amp.levels import AmpProperties, LossScaleSpec, check_loss_scale
 
 DEFAULT_MIN_LOSS_SCALE = 1.0
@@ -94,6 +95,7 @@ def checked_scaler_options(**options: Any) -> Dict[str, Any]:
     return out
 
 
+@checks_keywords
 class LossScaler:
     """Multiplier applied to the loss before backward, adapted to gradient overflows.
 

@@ -1,14 +1,20 @@
-"""`lightning-amp bench`: the example models at each precision level, in fresh processes, as table, JSON and chart."""
-from lightning_amp.bench.chart import draw_chart
-from lightning_amp.bench.models import MODELS, SIZES, chance_loss, load_example
-from lightning_amp.bench.meta import run_metadata
-from lightning_amp.bench.report import compare, markdown_table, print_results, rich_table, write_json
-from lightning_amp.bench.runner import plan_runs, run_isolated, run_matrix
-from lightning_amp.bench.timing import StepWindow
-from lightning_amp.bench.worker import LEVELS, RunSpec
+"""`lightning-amp bench`: the example models at each precision level, in fresh processes, as table, JSON and chart.
 
-__all__ = [
-    "LEVELS", "MODELS", "SIZES", "RunSpec", "StepWindow", "chance_loss", "compare", "draw_chart", "load_example",
-    "markdown_table", "plan_runs", "print_results", "rich_table", "run_isolated", "run_matrix", "run_metadata",
-    "write_json",
-]
+The names below import on first use (PEP 562): the command's argument parsing reads
+:mod:`~lightning_amp.bench.choices` and :mod:`~lightning_amp.bench.models` without importing torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "draw_chart": "chart", "MODELS": "models", "SIZES": "models", "chance_loss": "models", "load_example": "models",
+    "run_metadata": "meta", "compare": "report", "markdown_table": "report", "print_results": "report",
+    "rich_table": "report", "write_json": "report", "plan_runs": "runner", "run_isolated": "runner",
+    "run_matrix": "runner", "StepWindow": "timing", "LEVELS": "choices", "RunSpec": "worker",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -14,8 +14,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Sequence
 
-import torch
-
 
 @dataclass(frozen=True)
 class BenchModel:
@@ -86,6 +84,8 @@ def chance_loss(batches: Sequence) -> float:
     mean squared error of always predicting their mean. A model whose loss is not well below this has
     not learned anything yet, and agreement of untrained models says nothing about convergence.
     """
+    import torch  # here: the command line reads this module's tables without importing torch
+
     targets = torch.cat([batch[-1].reshape(-1).cpu() for batch in batches])
     if targets.is_floating_point():
         return float(targets.double().var(unbiased=False))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-OPTIMIZERS = ("example", "fused-adam")
+from lightning_amp.bench.choices import OPTIMIZERS
 
 
 def _fused(adam_w_mode: bool, default_weight_decay: float):

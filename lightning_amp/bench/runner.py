@@ -16,15 +16,13 @@ from typing import Callable, Iterable, Optional, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from lightning_amp.bench.choices import DEFAULT_WARMUP
 from lightning_amp.bench.models import MODELS
 from lightning_amp.bench.worker import RunSpec, failure_record, resolve_device, run_to_file
 
 PRELOAD = ["lightning_amp.bench.worker", "torchmetrics", "lightning_amp"]
 RUN_TIMEOUT_S = 1800.0
 
-
-#: untimed steps before the window, per device type (cuDNN/cuBLAS heuristics and the allocator settle on GPU)
-DEFAULT_WARMUP = {"cpu": 2, "cuda": 10}
 #: torch CPU threads per run when none are asked for: on CPU 1, because a run with one thread per core
 #: slows down 10-15x whenever another process takes a core (measured on a shared 2-core machine)
 DEFAULT_THREADS = {"cpu": 1, "cuda": None}

@@ -34,16 +34,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_amp.bench.choices import ACCELERATORS, AMP_LEVELS, DTYPES, LEVELS, LIGHTNING_LEVELS  # noqa: F401
 from lightning_amp.bench.memory import PeakMemory
 from lightning_amp.bench.models import MODELS, SIZES, chance_loss, load_example
 from lightning_amp.bench.optimizers import OPTIMIZERS, use_optimizer
 from lightning_amp.bench.timing import StepWindow, clock_for
 
-AMP_LEVELS = ("fp32", "O0", "O1", "O2", "O3")
-LIGHTNING_LEVELS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-LEVELS = AMP_LEVELS + LIGHTNING_LEVELS
-DTYPES = ("auto", "bfloat16", "float16")
-ACCELERATORS = ("auto", "cpu", "cuda")
 FINAL_LOSS_WINDOW = 5
 LEARNED_FRACTION = 0.9
 BATCH_BUDGET_MIB = 1024.0  # pre-drawn batches held on the device; beyond it the run cycles through them

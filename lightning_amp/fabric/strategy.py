@@ -40,6 +40,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_amp._keywords import checks_keywords
 from lightning_amp.fabric.precision import FabricAmpPrecision
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.runtime import TensorParallelRuntime
@@ -50,6 +51,7 @@ _USE = ("Fabric's precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf1
         "FabricAmpPrecision (e.g. `plugins=[FabricAmpO2Precision()]`)")
 
 
+@checks_keywords
 class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
     """Tensor parallel x data parallel with fused fp32 weight-gradient accumulation, for Fabric.
 

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
+from lightning_amp._keywords import checks_keywords
 from lightning_amp.parallel.sequence import validate_sequence_dim
 
 KINDS = ("column", "row", "replicate")  # what an explicit plan may say of a layer
@@ -21,6 +22,7 @@ _BOOLS = ("sequence_parallel", "gradient_accumulation_fusion", "async_grad_allre
           "allow_replicated")
 
 
+@checks_keywords
 @dataclass(frozen=True, eq=True)
 class TensorParallelConfig:
     """The tp_fused options (see :class:`lightning_amp.TensorParallelStrategy` for their meaning).

@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_amp._keywords import checks_keywords
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.strategy_mixin import TensorParallelStrategyMixin, destroy_group_at_exit  # noqa: F401
 from lightning_amp.parallel.strategy_mixin import conversion_report as _conversion_report  # noqa: F401 (old name)
@@ -33,9 +34,10 @@ from lightning_amp.precision import AmpPrecision
 from lightning_amp.unsupported import refuse_precision_under_tp_fused
 
 _USE = ("precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or a lightning-amp plugin "
-        "(e.g. `plugins=[AmpO2Plugin()]`)")
+        "(e.g. `plugins=[AmpO2Precision()]`)")
 
 
+@checks_keywords
 class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
     """Tensor parallel x data parallel with fused fp32 weight-gradient accumulation.
 

@@ -31,7 +31,7 @@ from lightning_amp.bench.timing import CudaClock, StepWindow
         (["bench", "--steps", "0"], "must be >= 1"),
         (["bench", "--steps", "-3"], "must be >= 1"),
         (["bench", "--steps", "ten"], "expected an integer"),
-        (["bench", "--dtype", "float64"], "invalid choice: 'float64'"),
+        (["bench", "--dtype", "float64"], "unknown dtype 'float64'; choose from auto, float16 (fp16/half), bfloat16 (bf16)"),
         (["bench", "--levels", "fp32,32-false"], "unknown level 32-false"),
         (["bench", "--accelerator", "tpu"], "invalid choice: 'tpu'"),
         (["bench", "--batch-size", "0"], "must be >= 1"),
@@ -117,13 +117,15 @@ def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "speed-up" in printed and "vs mixed" in printed and "bert" in printed
+    caveat = "quick run (3 timed steps after 1 warm-up, tiny models): the figures are indicative only"
+    assert "lightning-amp bench (quick run: indicative figures):" in printed and caveat in " ".join(printed.split())
 
     saved = json.loads((out / "bench.json").read_text())
     run, records = saved["run"], saved["records"]
     assert run["steps"] == {"feedforward": 3, "unet": 3, "bert": 3} and run["torch"] == torch.__version__
     assert run["commit"] and run["date"].endswith("UTC") and run["command"] == "lightning-amp " + " ".join(argv)
     assert "cores" in run["device"] and {"lightning", "backend", "cpu_bf16", "duration_s"} <= set(run)
-    assert run["threads"] == {"feedforward": 1, "unet": 1, "bert": 1}
+    assert run["threads"] == {"feedforward": 1, "unet": 1, "bert": 1} and run["indicative"].startswith(caveat)
     pairs = [(r["model"], r["level"]) for r in records]
     assert pairs == [(m, lv) for m in ("feedforward", "unet", "bert") for lv in QUICK_LEVELS]
     for record in records:
@@ -136,7 +138,7 @@ def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
         assert record["stepped_by"] == ("lightning-amp kernels" if record["level"] == "O2" else "optimizer.step()")
         assert record["threads"] == 1
         assert record["precision_plugin"] == {"fp32": "Precision", "bf16-mixed": "MixedPrecision",
-                                              "bf16-true": "HalfPrecision", "O2": "AmpO2Plugin"}[record["level"]]
+                                              "bf16-true": "HalfPrecision", "O2": "AmpO2Precision"}[record["level"]]
         for key in ("step_time_ms", "samples_per_s", "peak_mem_mb", "final_loss", "chance_loss"):
             assert math.isfinite(record[key]) and record[key] > 0, (key, record)
         assert record["samples_per_s"] == pytest.approx(record["batch_size"] / (record["step_time_ms"] / 1000))
@@ -154,6 +156,7 @@ def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
     table = (out / "bench.md").read_text()
     assert table.count("\n| ") == 13  # header + 12 rows
     assert "(untrained)" in table and f"command: `lightning-amp {' '.join(argv[:-1])}" in table
+    assert table.startswith("lightning-amp bench (quick run: indicative figures):") and f"Note: {caveat}" in table
 
 
 def _record(model, level, step_ms, mem, loss, batch=8, learned=True):

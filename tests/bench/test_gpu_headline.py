@@ -66,7 +66,7 @@ def test_the_o2_run_with_torchs_lists_reports_its_forward_and_tokens(monkeypatch
                    optimizer="fused-adam")
     record = measure(HeadlineRun("O2", "fused-adam", o2_forward="fp32", min_steps=8), spec)
     assert record["o2_forward"] == "fp32" and record["optimizer"] == "FusedAdam"
-    assert 8 <= record["steps"] <= 30 and record["precision_plugin"] == "AmpO2Plugin"
+    assert 8 <= record["steps"] <= 30 and record["precision_plugin"] == "AmpO2Precision"
     assert precision.AmpO2Plugin().properties.norm_policy == "fp32"  # the runs' plugins took torch's lists
     tokens = record["batch_size"] * gpu_headline.seq_len("tiny")
     assert record["tokens_per_s"] == pytest.approx(1000.0 * tokens / record["step_time_ms"])

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -114,29 +113,43 @@ def test_two_processes_match_one_and_skip_together(tmp_path):
 # ---- refusals --------------------------------------------------------------------------------
 
 
-def test_trainer_plugin_in_fabric_names_the_fabric_class():
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[AmpO2Plugin()])
+def test_trainer_plugin_in_fabric_is_refused_at_construction_naming_the_fabric_class():
+    """A Trainer plugin is a Fabric ``Precision`` too (Lightning's Trainer ``Precision`` derives from Fabric's):
+    Fabric refuses it when it is built (lightning_amp/plugin_kinds.py), naming the Fabric class."""
+    for plugins in ([AmpO2Plugin()], AmpO2Plugin()):
+        with pytest.raises(TypeError, match=r"^AmpO2Precision is a Lightning Trainer plugin; L\.Fabric takes "
+                                            r"lightning_amp\.fabric\.FabricAmpO2Precision, with the same options"):
+            L.Fabric(accelerator="cpu", devices=1, plugins=plugins)
+    assert isinstance(L.Fabric(accelerator="cpu", devices=1, plugins=[FabricAmpO2Precision()])._precision,
+                      FabricAmpO2Precision)
+
+
+def test_trainer_plugin_given_a_module_without_a_trainer_names_the_fabric_class():
+    """Handed a module anyway (called directly), it names the Fabric plugin before anything is cast."""
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(TypeError, match=r"AmpO2Plugin is a Lightning Trainer plugin.*lightning_amp\.fabric\.FabricAmpO2Precision"):
-        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert model.weight.dtype == torch.float32  # refused before anything was cast
+    with pytest.raises(TypeError, match=r"AmpO2Precision is a Lightning Trainer plugin.*lightning_amp\.fabric\.FabricAmpO2Precision"):
+        AmpO2Plugin().convert_module(model)
+    assert model.weight.dtype == torch.float32
 
 
 def test_fabric_plugin_in_trainer_is_refused_at_construction():
     """The Fabric plugin is a Fabric ``Precision`` (not a Trainer one): the Trainer refuses it when it is
-    built, naming it, before any model is seen."""
+    built, naming the Trainer class to use, before any model is seen."""
     model = BoringModel()
-    with pytest.raises(MisconfigurationException, match=r"invalid type for plugin FabricAmpO2Precision\(opt_level='O2'"):
-        L.Trainer(accelerator="cpu", devices=1, max_steps=1, plugins=[FabricAmpO2Precision()], logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    for arguments in (dict(plugins=[FabricAmpO2Precision()]), dict(precision=FabricAmpO2Precision())):
+        with pytest.raises(TypeError, match=r"^FabricAmpO2Precision is a Lightning Fabric plugin; L\.Trainer takes "
+                                            r"lightning_amp\.AmpO2Precision, with the same options"):
+            L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, **arguments)
     assert model.layer.weight.dtype == torch.float32
+    assert isinstance(L.Trainer(accelerator="cpu", logger=False, plugins=[AmpO2Plugin()]).precision_plugin, AmpO2Plugin)
 
 
 def test_fabric_plugin_given_a_trainer_module_names_the_trainer_class():
     """Handed a Trainer's module anyway (a strategy calling it directly), it names the Trainer plugin."""
     model = BoringModel()
     model._trainer = object()
-    with pytest.raises(TypeError, match=r"FabricAmpO2Precision is a Lightning Fabric plugin.*lightning_amp\.AmpO2Plugin"):
+    with pytest.raises(TypeError, match=r"FabricAmpO2Precision is a Lightning Fabric plugin.*lightning_amp\.AmpO2Precision"):
         FabricAmpO2Precision().convert_module(model)
     assert model.layer.weight.dtype == torch.float32
 
@@ -153,5 +166,5 @@ def test_fsdp1_in_fabric_refuses_our_plugins_naming_them():
 
 @_NEEDS_GPU
 def test_fsdp1_in_trainer_refuses_our_plugins_naming_them():
-    with pytest.raises(TypeError, match=r"FSDPPrecision.*AmpO2Plugin\(opt_level='O2', dtype=torch\.bfloat16"):
+    with pytest.raises(TypeError, match=r"FSDPPrecision.*AmpO2Precision\(opt_level='O2', dtype=torch\.bfloat16"):
         L.Trainer(accelerator="cuda", devices=1, strategy="fsdp", plugins=[AmpO2Plugin(dtype="bfloat16")])

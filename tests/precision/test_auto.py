@@ -105,7 +105,7 @@ def test_resume_after_a_move_continues_on_its_rung_and_says_so(tmp_path, flag_ti
     assert first_plugin.ladder.changes == 1
     path = tmp_path / "after-move.ckpt"
     trainer.save_checkpoint(path)
-    saved = torch.load(path, weights_only=False)["AmpAutoPlugin"]["ladder"]
+    saved = torch.load(path, weights_only=False)["AmpAutoPrecision"]["ladder"]
     assert saved["rung"] == 1 and saved["reason"].startswith("nonfinite_in_a_row") and saved["snapshot_step"] == 0
     resumed_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
     with pytest.warns(UserWarning, match=r"ladder: resuming on rung 1 \(O1/128.0\), reached at step \d after "

@@ -22,11 +22,15 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("name, cls", [("AmpPrecision", lightning_amp.AmpPrecision),
-                                       ("AmpO2Plugin", lightning_amp.AmpO2Plugin),
-                                       ("lightning_amp.AmpO1Plugin", lightning_amp.AmpO1Plugin)])
+                                       ("AmpO2Precision", lightning_amp.AmpO2Precision),
+                                       ("lightning_amp.AmpO1Precision", lightning_amp.AmpO1Precision),
+                                       ("lightning_amp.AmpO1Plugin", lightning_amp.AmpO1Plugin),
+                                       ("AmpO2Plugin", lightning_amp.AmpO2Plugin)])
 def test_trainer_plugins_resolve_by_short_name(name, cls):
+    """Short names are the class names; a former name (``AmpO2Plugin``, a subclass that adds nothing) still resolves,
+    by its short name too, as it did before the classes were named ``...Precision``."""
     plugin = _cli("--trainer.plugins", name)
-    assert type(plugin) is cls
+    assert type(plugin) is cls and plugin.properties.opt_level == cls.fixed_opt_level
 
 
 @pytest.mark.parametrize("level", ["O2", "o2"])
@@ -56,16 +60,16 @@ def test_a_bad_value_is_a_usage_error_naming_the_allowed_values(key, value, allo
 
 def test_level_subclasses_refuse_an_opt_level_at_parse_time(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _cli("--trainer.plugins", "AmpO2Plugin", "--trainer.plugins.opt_level", "O1")
+        _cli("--trainer.plugins", "AmpO2Precision", "--trainer.plugins.opt_level", "O1")
     assert exit_info.value.code == 2 and "'opt_level' is not accepted" in capsys.readouterr().err
 
 
 def test_yaml_config(tmp_path):
     config = tmp_path / "config.yaml"
-    config.write_text("trainer:\n  plugins:\n    - class_path: AmpO2Plugin\n      init_args:\n        dtype: float16\n"
+    config.write_text("trainer:\n  plugins:\n    - class_path: AmpO2Precision\n      init_args:\n        dtype: float16\n"
                       "        loss_scale: dynamic\n        init_scale: 1024.0\n")
     plugin = _cli("--config", str(config))
-    assert type(plugin) is lightning_amp.AmpO2Plugin and plugin.properties.loss_scale == "dynamic"
+    assert type(plugin) is lightning_amp.AmpO2Precision and plugin.properties.loss_scale == "dynamic"
     assert plugin.loss_scale == 1024.0
 
 

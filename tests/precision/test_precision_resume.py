@@ -133,7 +133,7 @@ def test_o2_checkpoint_holds_the_fp32_params_and_loads_into_a_plain_fp32_model(t
     for name, master in zip(names, masters):
         assert torch.equal(state[name], master)
     assert not torch.equal(state["net.0.weight"], state["net.0.weight"].bfloat16().float())  # not rounded
-    assert "AmpO2Plugin" in checkpoint and checkpoint["AmpO2Plugin"]["loss_scalers"][0]["scale"] == 1.0
+    assert "AmpO2Precision" in checkpoint and checkpoint["AmpO2Precision"]["loss_scalers"][0]["scale"] == 1.0
 
     plain = nn.Sequential(nn.Linear(10, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Linear(24, 4))
     plain.load_state_dict({k.removeprefix("net."): v for k, v in state.items()}, strict=True)
