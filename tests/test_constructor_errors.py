@@ -19,6 +19,7 @@ CHECKED = [
     (lightning_amp.AmpPrecision, "kep_batchnorm_fp32", "keep_batchnorm_fp32"),
     (fabric.FabricAmpPrecision, "master_weight", "master_weights"),
     *((getattr(lightning_amp, f"Amp{level}Precision"), "loss_scal", "loss_scale") for level in LEVELS),
+    *((getattr(lightning_amp, f"Amp{level}Plugin"), "halfbuffers", "half_buffers") for level in LEVELS),
     *((getattr(fabric, f"FabricAmp{level}Precision"), "ladders", "ladder") for level in LEVELS),
     (lightning_amp.TensorParallelStrategy, "tensor_paralel_size", "tensor_parallel_size"),
     (fabric.TensorParallelStrategy, "sequence_paralel", "sequence_parallel"),
@@ -42,7 +43,7 @@ def _public_classes():
     for module in (lightning_amp, fabric, parallel):
         for name in module.__all__:
             value = getattr(module, name)
-            if isinstance(value, type) and value.__name__ == name:  # a former name is its class's alias
+            if isinstance(value, type) and value.__name__ == name:
                 yield value
 
 

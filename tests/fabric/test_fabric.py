@@ -117,7 +117,7 @@ def test_trainer_plugin_in_fabric_is_refused_at_construction_naming_the_fabric_c
     """A Trainer plugin is a Fabric ``Precision`` too (Lightning's Trainer ``Precision`` derives from Fabric's):
     Fabric refuses it when it is built (lightning_amp/plugin_kinds.py), naming the Fabric class."""
     for plugins in ([AmpO2Plugin()], AmpO2Plugin()):
-        with pytest.raises(TypeError, match=r"^AmpO2Precision is a Lightning Trainer plugin; L\.Fabric takes "
+        with pytest.raises(TypeError, match=r"^AmpO2Plugin is a Lightning Trainer plugin; L\.Fabric takes "
                                             r"lightning_amp\.fabric\.FabricAmpO2Precision, with the same options"):
             L.Fabric(accelerator="cpu", devices=1, plugins=plugins)
     assert isinstance(L.Fabric(accelerator="cpu", devices=1, plugins=[FabricAmpO2Precision()])._precision,
@@ -127,7 +127,7 @@ def test_trainer_plugin_in_fabric_is_refused_at_construction_naming_the_fabric_c
 def test_trainer_plugin_given_a_module_without_a_trainer_names_the_fabric_class():
     """Handed a module anyway (called directly), it names the Fabric plugin before anything is cast."""
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(TypeError, match=r"AmpO2Precision is a Lightning Trainer plugin.*lightning_amp\.fabric\.FabricAmpO2Precision"):
+    with pytest.raises(TypeError, match=r"AmpO2Plugin is a Lightning Trainer plugin.*lightning_amp\.fabric\.FabricAmpO2Precision"):
         AmpO2Plugin().convert_module(model)
     assert model.weight.dtype == torch.float32
 
