@@ -7,9 +7,10 @@ a flag lands only when waited for or ``LATE_STEPS`` steps later, through
 environment, so processes a test spawns (DDP ranks) run late too. On CUDA the flags of real
 device steps land late anyway; the simulation only holds them back further.
 
-The tests are laid out like the package (``tests/amp/``, ``tests/parallel/``, ...); the helpers they share
-(``_lightning.py``, ``_net.py``) stay here, and this folder goes on ``sys.path`` so any test module, in any
-subfolder, imports them as ``from _net import free_port`` however pytest was started.
+The tests are laid out like the package (``tests/amp/``, ``tests/parallel/``, ...); what they share is the package
+``tests/support/``, and this folder goes on ``sys.path`` so any test module, in any subfolder, imports it as
+``from support.processes import free_port`` however pytest was started (from the root, a subfolder, one file,
+``--import-mode=importlib``).
 """
 import os
 import sys
@@ -22,7 +23,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from _flag_timing import LATE_STEPS  # noqa: E402  (needs _HERE on sys.path)
+from support.flag_timing import LATE_STEPS  # noqa: E402  (needs _HERE on sys.path)
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +45,16 @@ def flag_timing(request, monkeypatch):
     return request.param
 
 
+def pytest_addoption(parser):
+    parser.addoption("--called-modules", metavar="FILE",
+                     help="write to FILE which lightning_amp modules had a function called by the tests that ran "
+                          "(tests/support/called_modules.py)")
+
+
 def pytest_configure(config):
-    """``ATEN_CPU_CAPABILITY=default`` (a plain x86-64 CPU, emulated: the suite runs so in benchmarks/RESULTS.md)
+    """``--called-modules=FILE``: :class:`support.called_modules.CalledModules` records the run.
+
+    ``ATEN_CPU_CAPABILITY=default`` (a plain x86-64 CPU, emulated: the suite runs so in benchmarks/RESULTS.md)
     caps ATen's kernels but not inductor's code generation, which still reads the host's vector ISA and emits
     ``at::vec`` code that the capped headers do not declare (a C++ compile error). On a CPU that has no vector
     ISA inductor generates scalar loops; ``cpp.simdlen = 1`` makes it do so under the emulation too."""
@@ -53,3 +62,7 @@ def pytest_configure(config):
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.simdlen = 1
+    if config.getoption("called_modules"):
+        from support.called_modules import CalledModules
+
+        config.pluginmanager.register(CalledModules(config.getoption("called_modules")), "called-modules")

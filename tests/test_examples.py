@@ -19,7 +19,7 @@ import bert_sentiment  # noqa: E402
 import feedforward_rossmann  # noqa: E402
 import unet_segmentation  # noqa: E402
 from _common import make_trainer, precision_plugins  # noqa: E402
-from _net import free_port
+from support.processes import free_port
 
 MODULES = {"feedforward": feedforward_rossmann, "unet": unet_segmentation, "bert": bert_sentiment}
 LEVELS = ("fp32", "O0", "O1", "O2", "O3")

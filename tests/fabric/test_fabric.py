@@ -17,11 +17,11 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_amp import AmpO2Plugin
 from lightning_amp.fabric import FabricAmpO2Precision, FabricAmpPrecision
+from support.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import fabric_tiny_gpt as gpt  # noqa: E402
-from _net import free_port  # noqa: E402
 
 STEPS = 4
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_amp import ops
-from _bounds import two_orders_apart
+from support.bounds import two_orders_apart
 
 EXT = ops._ext_for("cpu")
 needs_ext = pytest.mark.skipif(EXT is None, reason=f"compiled extension not loaded: {ops.extension_error()}")

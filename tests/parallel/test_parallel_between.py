@@ -14,7 +14,7 @@ import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import apply_plan
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.parallel.strategy import TensorParallelStrategy
-from _net import free_port
+from support.processes import free_port
 
 
 class BatchNormMLP(pl.LightningModule):

@@ -1,6 +1,6 @@
 """tp_fused on model families nobody here wrote (tiny, randomly initialised, no downloads): ``transformers``
 BERT, RoBERTa, GPT-2 (Conv1D, fused QKV), Llama and Mistral (GQA), Lightning's demo ``nn.Transformer``, and BERT,
-GPT-2 and Llama with their layers and head attributes renamed (tests/parallel/renamed.py: no name the plan knows is
+GPT-2 and Llama with their layers and head attributes renamed (tests/support/renamed.py: no name the plan knows is
 left, so their attention and MLPs are found by structure).
 
 One LightningModule holds every family and trains them side by side (the loss is their sum; their params
@@ -24,7 +24,7 @@ import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.parallel.strategy import TensorParallelStrategy
-from _net import free_port
+from support.processes import free_port
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="the `transformers` families need `transformers`")
@@ -62,7 +62,7 @@ def hf_models(names=FAMILIES):
     from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                               MistralConfig, MistralForCausalLM, RobertaConfig, RobertaForMaskedLM)
 
-    from renamed import rename_instances
+    from support.renamed import rename_instances
 
     bert = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                 intermediate_size=FFN, max_position_embeddings=SEQ + 4, hidden_dropout_prob=0.0,

@@ -9,7 +9,7 @@ from torch import nn
 from lightning_amp.parallel import ColumnParallelLinear, MainGradBuffer, RowParallelLinear, clip_grad_norm_, tp_grad_norm
 from lightning_amp.parallel import comm
 from lightning_amp.parallel.main_grad import mark_sequence_parallel
-from _net import free_port
+from support.processes import free_port
 
 
 

@@ -18,7 +18,7 @@ from lightning_amp.parallel import apply_plan
 from lightning_amp.parallel.main_grad import MainGradBuffer
 from lightning_amp.parallel.plan import gathered_state_dict
 from lightning_amp.parallel.strategy import TensorParallelStrategy
-from _net import free_port
+from support.processes import free_port
 
 VOCAB, SEQ, D, HEADS, FF = 20, 6, 16, 4, 24
 

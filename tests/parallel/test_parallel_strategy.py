@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import ColumnParallelLinear, ParallelMultiheadAttention, RowParallelLinear, apply_plan
 from lightning_amp.parallel.strategy import TensorParallelStrategy
-from _net import free_port
+from support.processes import free_port
 
 VOCAB, SEQ, D, HEADS, FF = 24, 6, 16, 4, 32
 

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO1Plugin, AmpO2Plugin, AmpPrecision, FusedLAMB, main_params
+from support.trainer import LossRecorder, quiet_lightning
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAver
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
-from _lightning import quiet_lightning
 from lightning_amp import AmpPrecision
+from support.trainer import quiet_lightning
 
 LEVELS = {"O1": "bf16-mixed", "O2": "bf16-mixed", "O3": "bf16-true"}
 TOL = 0.1  # |ours - reference| <= TOL * |reference - start| per tensor; measured below 0.03 (bf16, 8 steps)
