@@ -104,6 +104,7 @@ def test_every_page_on_disk_is_read_with_each_of_its_blocks():
         assert sum(collected.values()) > 0, language
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", blocks("python"))
 def test_python_block_runs_as_written(code, tmp_path):
     unmet = unmet_needs(code)
@@ -131,6 +132,7 @@ def test_a_block_that_fails_or_hangs_fails_and_is_never_skipped(tmp_path):
     run_block("print('ok')", tmp_path)  # and a block that works passes
 
 
+@pytest.mark.slow
 def test_a_block_that_starts_ranks_is_killed_with_them_past_its_time(tmp_path):
     code = ("import subprocess, sys, time\n"
             "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"

@@ -90,6 +90,7 @@ def test_injected_inf_skips_the_step_and_changes_nothing(level):
         assert torch.equal(value, skipped["weights"][key]), key
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_skip_together(tmp_path):
     """O2 under Fabric(strategy="ddp", devices=2) on gloo: rank 1 alone overflows at step 1, both ranks skip
     it and stay identical, and they match one process on the same global batches within bf16 rounding."""

@@ -51,6 +51,7 @@ def _initial_weights() -> dict:
     return gpt.TinyGPT().state_dict()
 
 
+@pytest.mark.slow
 def test_tp2_matches_one_process_resumes_exactly_and_moves_checkpoints(tmp_path):
     """fp32: TP=2 ends within 1e-5 of one process (measured 6e-8) after 4 steps of 2 micro-batches with
     no_backward_sync and clipping; every rank holds half of each split layer. fabric.save at TP=2 writes the

@@ -144,6 +144,7 @@ def test_gan_second_optimizer_unscales_its_first_step(level):
     assert precision.skipped_steps == 0 and precision.loss_scales == [65536.0, 65536.0]
 
 
+@pytest.mark.slow
 def test_tp_fused_main_grad_follows_zero_grad_and_each_optimizers_step(tmp_path):
     """Fabric(strategy="tp_fused", devices=2) (TP=2, fused wgrad into main_grad), the tiny GPT with two SGD optimizers
     over disjoint params sharing one main_grad buffer, against a plain fp32 loop (support/scripts/fabric_tp_grads.py):

@@ -83,6 +83,7 @@ def test_backend_names_the_implementation_that_runs(device, monkeypatch):
     assert ops.extension_error() is None and ops.extension_path().endswith(".so")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(EXT is None, reason="compiled extension not loaded")
 def test_disable_env_var_forces_fallback_with_matching_results(tmp_path):
     """The workload runs here on the extension and in a fresh interpreter with the env var set."""

@@ -31,6 +31,7 @@ def test_ops_on_a_one_rank_mesh_equal_the_ops_on_full_tensors(monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ops_on_two_gloo_ranks_equal_the_ops_on_full_tensors(tmp_path):
     from support import dtensor_checks
 

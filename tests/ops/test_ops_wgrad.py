@@ -354,6 +354,7 @@ def _cpu_flags():
         return set()
 
 
+@pytest.mark.slow
 @needs_ext
 @pytest.mark.parametrize("kind", list(CPU_KINDS))
 def test_cpu_kind_paths_and_choice(kind):
@@ -383,6 +384,7 @@ def test_cpu_kind_paths_and_choice(kind):
         assert r["fastest"] == r["ranked"][0], r
 
 
+@pytest.mark.slow
 @needs_ext
 def test_policy_from_environment():
     """LIGHTNING_AMP_WGRAD_CPU_GEMM pins the path at import; a bad value is a ValueError naming it."""

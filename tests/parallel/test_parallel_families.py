@@ -180,6 +180,7 @@ def state_diff(got: dict, ref: dict, prefix: str) -> float:
     return max((got[k] - ref[k]).abs().max().item() for k in keys) / scale
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_families_tp2_match_single_device_checkpoints_and_resume(tmp_path):
     ref, _ = fit(tmp_path / "single", "auto", 1)
@@ -234,12 +235,14 @@ def _o2_trains(tmp_path, names):
         assert values[-1] < values[0], f"{name} did not train under O2 bf16: {values}"
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_transformers_families_tp2_bf16_o2_train(tmp_path):
     """TP=2 with AmpO2Plugin(bfloat16): every ``transformers`` family trains (finite losses that fall)."""
     _o2_trains(tmp_path, HF)
 
 
+@pytest.mark.slow
 def test_demo_transformer_tp2_bf16_o2_trains(tmp_path):
     _o2_trains(tmp_path, ("demo",))
 

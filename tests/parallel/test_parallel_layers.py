@@ -200,6 +200,7 @@ def _all_cases(rank):
     _check_named_attention_plan(rank)
 
 
+@pytest.mark.slow
 def test_column_row_match_linear_and_comm_pairs():
     """fp32/bf16 x fused/unfused wgrad x with/without sequence parallelism, then gather/scatter/copy/reduce
     adjointness, size errors and the plan's messages for unsplittable layers (one spawn: process start-up

@@ -101,6 +101,7 @@ def _two_rank_cases(rank):
             raise AssertionError(f"rank {rank}, sequence_parallel={sequence_parallel}: {err}") from err
 
 
+@pytest.mark.slow
 @needs_ext
 @needs_backward_tracing
 def test_fused_tp_mlp_training_step_compiles_fullgraph_like_eager_on_two_ranks():

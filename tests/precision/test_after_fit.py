@@ -119,6 +119,7 @@ for path in sys.argv[2:]:
 """
 
 
+@pytest.mark.slow
 def test_saved_model_loads_where_lightning_amp_is_not_installed(tmp_path):
     """``torch.save(model)`` after fit, loaded by a process that cannot import lightning_amp, gives the
     same outputs. Formerly the pickle held our hooks and the metric's patched ``_apply``

@@ -153,6 +153,7 @@ def _fit_imagenet(precision, overflow_at=None, callbacks=()):
     return model, losses.losses, trainer
 
 
+@pytest.mark.slow
 def test_imagenet_example_at_o2_with_apex_strings_trains_like_32_true():
     args = imagenet_args(IMAGENET_ARGV)
     plugin = AmpPrecision(opt_level=args.opt_level, dtype="float16", keep_batchnorm_fp32=args.keep_batchnorm_fp32,

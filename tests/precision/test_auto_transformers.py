@@ -47,6 +47,7 @@ def _fit(plugin, steps):
     return model
 
 
+@pytest.mark.slow
 def test_scaled_bert_moves_to_o1_and_equals_the_manual_run(flag_timing):
     plugin = AmpAutoPlugin(dtype="float16", ladder_rules=LadderRules(nonfinite_in_a_row=3, snapshot_every=2))
     auto = _fit(plugin, STEPS)

@@ -32,6 +32,7 @@ INF_STEP = 2
 PARAM_RTOL = 2 * 20 * (2 + 32) * 2.0 ** -24
 
 
+@pytest.mark.slow
 def test_fused_optimizers_step_fsdp2_shards_like_torch(tmp_path):
     run_script("fsdp2_optim", tmp_path)
     result = torch.load(tmp_path / "result.pt", weights_only=False)
@@ -84,6 +85,7 @@ O2_DTYPES = {"params": {torch.float32}, "grads": {torch.float32},  # the fp32 sh
 O2_SINGLE_DTYPES = dict(O2_DTYPES, forward={"bn": torch.float32, "head": torch.float32})
 
 
+@pytest.mark.slow
 def test_o1_and_o2_under_fsdp2_match_one_device_and_skip_when_one_rank_overflows(tmp_path):
     sharded = _launch_levels(tmp_path, "fsdp", "O1", "O2")  # one launch, two fits
     # bf16: losses within 2.5 bf16 ulps (measured O1 1.1e-3, O2 1.3e-3), params (measured 1.6e-2, 1.1e-2)
@@ -94,6 +96,7 @@ def test_o1_and_o2_under_fsdp2_match_one_device_and_skip_when_one_rank_overflows
     assert got["dtypes"] == O2_DTYPES and ref["dtypes"] == O2_SINGLE_DTYPES
 
 
+@pytest.mark.slow
 def test_o3_o0_and_o2_under_fsdp2_with_tensor_parallel_match_one_device(tmp_path):
     sharded = _launch_levels(tmp_path, "fsdp_tp", "O3", "O0", "O2")  # one launch, three fits
     # O3, pure bf16 params: 5 updates rounded to bf16 (measured params 2.8e-2, losses 1.1e-3)
@@ -105,6 +108,7 @@ def test_o3_o0_and_o2_under_fsdp2_with_tensor_parallel_match_one_device(tmp_path
     assert got["dtypes"] == O2_DTYPES
 
 
+@pytest.mark.slow
 def test_o2_under_fsdp2_resumes_exactly_and_its_checkpoint_loads_into_the_plain_fp32_model(tmp_path):
     run_script("fsdp2_resume", tmp_path)
     result = torch.load(tmp_path / "resume.pt", weights_only=False)

@@ -263,6 +263,7 @@ def test_swa_checkpoint_holds_the_averaged_weights(level, tmp_path):
     _assert_moved_like(ours, results["reference"][0], start, half_weights=level == "O3")
 
 
+@pytest.mark.slow
 def test_ddp_spawn_hands_back_the_fp32_params():
     """``ddp_spawn`` (2 processes, gloo, the same batches on both ranks): the launching process gets rank
     0's weights back, fp32 and equal to a 1-process O2 run (identical grads average to themselves).

@@ -7,11 +7,13 @@ that step, back the scale off and stay bitwise identical. Gradient accumulation 
 happens on the fp32 Parameters, and the grads of the no_sync micro-batch must still be averaged across
 ranks (by DDP itself now): the 2-rank run must match a 1-process run that sees both ranks' samples in each batch.
 """
+import pytest
 import torch
 
 from support.processes import run_script
 from support.scripts import ddp_graph, precision_ddp
 
+pytestmark = pytest.mark.slow  # each test starts 2 ranks (11-12 s measured, benchmarks/RESULTS.md)
 
 
 def test_ddp_inf_on_one_rank_skips_everywhere_and_accumulates_in_fp32(tmp_path, flag_timing):
