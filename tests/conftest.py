@@ -43,8 +43,8 @@ def _restore_environ():
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Each test runs with one intra-op thread and leaves torch's count as it found it. The models are tiny, and on
-    2 shared cores a second OpenMP thread spinning at each op's barrier made small-op tests 2-100x slower (the fast
-    lane, benchmarks/RESULTS.md). Before, a test ran with the count an earlier test had left in this process (the
+    2 shared cores a second OpenMP thread spinning at each op's barrier made small-op tests up to 120x slower (the
+    fast lane, benchmarks/RESULTS.md). Before, a test ran with the count an earlier test had left in this process (the
     bench CLI's ``--threads 1``): 2 threads in tests/amp/, 1 after tests/bench/test_cli.py, or 2 again in a lane
     without that test. tests/ops/test_ops_multi_tensor.py runs the compiled kernels on 2 threads on purpose."""
     threads = torch.get_num_threads()

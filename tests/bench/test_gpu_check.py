@@ -433,7 +433,7 @@ def test_bench_optim_json_rows_feed_the_optimizer_targets(tmp_path, monkeypatch)
     assert all(v.status in (PASS, FAIL) and v.value is not None for v in judged), judged
 
 
-@pytest.mark.slow
+# not marked slow (5 s measured): the fast lane's only test of lightning_amp.bench.gpu_pytest (lane_durations.py)
 def test_the_pytest_plugin_records_each_outcome_as_it_comes(tmp_path):
     """A real pytest run with the plugin, killed during its fourth test: the three before it are recorded,
     the fourth and fifth are not reached, the deselected one is not counted."""
