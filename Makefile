@@ -24,7 +24,7 @@ GPU_CHECK_OUT ?= gpu-check-out
 GPU_CHECK_BUDGET ?=
 PART ?=
 
-.PHONY: install test bench bench-docs pictures docs clean gpu-check
+.PHONY: install test test-fast test-slow bench bench-docs pictures docs clean gpu-check
 
 install: $(STAMP)
 
@@ -37,15 +37,25 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
 	# litgpt (tests of tp_fused on its GPT) without its pins: they would downgrade transformers and
 	# huggingface_hub; litgpt.model and litgpt.config need only torch and lightning. Offline (a GPU box)
-	# its tests skip; under CI=true a missing litgpt fails them (tests/_optional.py).
+	# its tests skip; under CI=true a missing litgpt fails them (tests/support/optional_deps.py).
 	$(PY) -m pip install -q --no-deps "litgpt==$(LITGPT_VERSION)" || echo "litgpt not installed: its tests will skip"
 	$(PY) -c "import lightning_amp.ops as o; print('lightning_amp backend: cpu', o.backend('cpu'), '/ cuda', o.backend('cuda'), '/', o.extension_origin())"
 	touch $(STAMP)
 
 # LIGHTNING_AMP_REQUIRE_EXT=1: a compiled extension that does not load (or lacks CUDA kernels on a
 # GPU machine) fails the run instead of skipping every compiled-kernel test.
+PYTEST := LIGHTNING_AMP_REQUIRE_EXT=1 $(PY) -m pytest -q
+
+# test: the whole suite. test-fast: the tests not marked slow (minutes on 2 cores; every test module keeps some),
+# test-slow: the others; the two lanes together are the whole suite (docs/architecture.md, Tests).
 test: install
-	LIGHTNING_AMP_REQUIRE_EXT=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PYTEST) $(PYTEST_ARGS) tests
+
+test-fast: install
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS) tests
+
+test-slow: install
+	$(PYTEST) -m slow $(PYTEST_ARGS) tests
 
 bench: install
 	$(VENV)/bin/lightning-amp bench --out bench-out

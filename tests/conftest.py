@@ -7,14 +7,16 @@ a flag lands only when waited for or ``LATE_STEPS`` steps later, through
 environment, so processes a test spawns (DDP ranks) run late too. On CUDA the flags of real
 device steps land late anyway; the simulation only holds them back further.
 
-The tests are laid out like the package (``tests/amp/``, ``tests/parallel/``, ...); the helpers they share
-(``_lightning.py``, ``_net.py``) stay here, and this folder goes on ``sys.path`` so any test module, in any
-subfolder, imports them as ``from _net import free_port`` however pytest was started.
+The tests are laid out like the package (``tests/amp/``, ``tests/parallel/``, ...); what they share is the package
+``tests/support/``, and this folder goes on ``sys.path`` so any test module, in any subfolder, imports it as
+``from support.processes import free_port`` however pytest was started (from the root, a subfolder, one file,
+``--import-mode=importlib``).
 """
 import os
 import sys
 
 import pytest
+import torch
 
 from lightning_amp.amp.gate import LAG_ENV
 
@@ -22,7 +24,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from _flag_timing import LATE_STEPS  # noqa: E402  (needs _HERE on sys.path)
+from support.flag_timing import LATE_STEPS  # noqa: E402  (needs _HERE on sys.path)
 
 
 @pytest.fixture(autouse=True)
@@ -38,14 +40,35 @@ def _restore_environ():
         os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Each test runs with one intra-op thread and leaves torch's count as it found it. The models are tiny, and on
+    2 shared cores a second OpenMP thread spinning at each op's barrier made small-op tests up to 120x slower (the
+    fast lane, benchmarks/RESULTS.md). Before, a test ran with the count an earlier test had left in this process (the
+    bench CLI's ``--threads 1``): 2 threads in tests/amp/, 1 after tests/bench/test_cli.py, or 2 again in a lane
+    without that test. tests/ops/test_ops_multi_tensor.py runs the compiled kernels on 2 threads on purpose."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["immediate", "late"])
 def flag_timing(request, monkeypatch):
     monkeypatch.setenv(LAG_ENV, "0" if request.param == "immediate" else str(LATE_STEPS))
     return request.param
 
 
+def pytest_addoption(parser):
+    parser.addoption("--called-modules", metavar="FILE",
+                     help="write to FILE which lightning_amp modules had a function called by the tests that ran "
+                          "(tests/support/called_modules.py)")
+
+
 def pytest_configure(config):
-    """``ATEN_CPU_CAPABILITY=default`` (a plain x86-64 CPU, emulated: the suite runs so in benchmarks/RESULTS.md)
+    """``--called-modules=FILE``: :class:`support.called_modules.CalledModules` records the run.
+
+    ``ATEN_CPU_CAPABILITY=default`` (a plain x86-64 CPU, emulated: the suite runs so in benchmarks/RESULTS.md)
     caps ATen's kernels but not inductor's code generation, which still reads the host's vector ISA and emits
     ``at::vec`` code that the capped headers do not declare (a C++ compile error). On a CPU that has no vector
     ISA inductor generates scalar loops; ``cpp.simdlen = 1`` makes it do so under the emulation too."""
@@ -53,3 +76,7 @@ def pytest_configure(config):
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.simdlen = 1
+    if config.getoption("called_modules"):
+        from support.called_modules import CalledModules
+
+        config.pluginmanager.register(CalledModules(config.getoption("called_modules")), "called-modules")

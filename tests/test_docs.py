@@ -5,7 +5,7 @@ time limit (its process group is killed past it: a block that starts a second ra
 2-process blocks of docs/scaling-out.md do, takes that rank down with it). A block that fails or
 times out fails its test; it is never reported as skipped. The only skip is a block whose first line
 is ``# needs: <need> [and <need>] [(comment)]`` naming a need of :data:`NEEDS` that this machine lacks
-(a CUDA GPU, apex, litgpt: the last required under ``CI=true``, see tests/_optional.py); an unknown need fails. Which blocks there are is counted per page against the pages
+(a CUDA GPU, apex, litgpt: the last required under ``CI=true``, see tests/support/optional_deps.py); an unknown need fails. Which blocks there are is counted per page against the pages
 on disk. Bash blocks are checked for shell syntax (``bash -n``): a usage line such as
 ``[--size tiny|small|base]`` pasted into a command is a pipe to bash.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _optional import available, require
+from support.optional_deps import available, require
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -104,6 +104,7 @@ def test_every_page_on_disk_is_read_with_each_of_its_blocks():
         assert sum(collected.values()) > 0, language
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", blocks("python"))
 def test_python_block_runs_as_written(code, tmp_path):
     unmet = unmet_needs(code)
@@ -131,6 +132,7 @@ def test_a_block_that_fails_or_hangs_fails_and_is_never_skipped(tmp_path):
     run_block("print('ok')", tmp_path)  # and a block that works passes
 
 
+@pytest.mark.slow
 def test_a_block_that_starts_ranks_is_killed_with_them_past_its_time(tmp_path):
     code = ("import subprocess, sys, time\n"
             "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
@@ -166,7 +168,7 @@ def test_needs_lines_name_known_needs_and_skip_only_where_one_is_missing():
 
 
 def test_an_optional_dependency_skips_where_absent_and_fails_in_ci(monkeypatch):
-    """tests/_optional.py: without CI a missing package skips; under CI=true it fails (a broken install cannot
+    """tests/support/optional_deps.py: without CI a missing package skips; under CI=true it fails (a broken install cannot
     silently skip), and a docs block needing it runs."""
     monkeypatch.delenv("CI", raising=False)
     assert isinstance(_outcome(lambda: require("no_such_package_i35")), pytest.skip.Exception)

@@ -19,7 +19,7 @@ import bert_sentiment  # noqa: E402
 import feedforward_rossmann  # noqa: E402
 import unet_segmentation  # noqa: E402
 from _common import make_trainer, precision_plugins  # noqa: E402
-from _net import free_port
+from support.processes import free_port
 
 MODULES = {"feedforward": feedforward_rossmann, "unet": unet_segmentation, "bert": bert_sentiment}
 LEVELS = ("fp32", "O0", "O1", "O2", "O3")
@@ -81,7 +81,8 @@ def test_example_trains_a_few_steps_at_every_level(name, level):
     [
         ("feedforward", "O2", 60, 10, 0.6),
         ("unet", "O2", 40, 10, 0.9),
-        ("bert", "O2", 120, 20, 0.6),  # ln 2 = 0.693 is chance; the label rule is learnable
+        # ln 2 = 0.693 is chance; the label rule is learnable
+        pytest.param("bert", "O2", 120, 20, 0.6, marks=pytest.mark.slow),
     ],
 )
 def test_loss_really_falls(name, level, steps, window, at_most):
@@ -180,6 +181,7 @@ def test_bad_arguments_are_refused():
         unet_segmentation.main(["--max-steps", "0"])
 
 
+@pytest.mark.slow
 def test_script_runs_alone_with_the_documented_command():
     command = [sys.executable, str(EXAMPLES / "bert_sentiment.py"), "--opt-level", "O2", "--dtype", "bfloat16",
                "--max-steps", "4", "--size", "tiny", "--log-every", "2", "--accelerator", "cpu"]

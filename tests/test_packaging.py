@@ -45,6 +45,7 @@ def unpacked_sdist(tmp_path_factory) -> pathlib.Path:
     return tree
 
 
+@pytest.mark.slow
 def test_sdist_holds_every_source_and_no_build(unpacked_sdist):
     shipped = {str(p.relative_to(unpacked_sdist)) for p in unpacked_sdist.rglob("*") if p.is_file()}
     sources = _tracked_sources()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from _optional import require
+from support.optional_deps import require
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_BYTES = 150_000

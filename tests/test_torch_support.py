@@ -60,6 +60,7 @@ def _import_under(version):
                           timeout=300, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["2.15.0", "2.10.0"])
 def test_a_torch_outside_the_range_gets_one_warning_naming_it_and_the_package_imports(version):
     proc = _import_under(version)
@@ -69,6 +70,7 @@ def test_a_torch_outside_the_range_gets_one_warning_naming_it_and_the_package_im
     assert f"torch{_torch_support.TORCH_REQUIREMENT}" in messages[0] and f"torch {version}" in messages[0]
 
 
+@pytest.mark.slow
 def test_the_running_torch_gets_no_warning():
     import torch
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpPrecision
 from lightning_amp.amp.module_cast import cast_floating
 from lightning_amp.fabric import FabricAmpPrecision
+from support.trainer import LossRecorder, quiet_lightning
 
 F32_MIN = torch.finfo(torch.float32).min
 Pair = collections.namedtuple("Pair", "mask ids")

@@ -4,13 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO2Plugin, main_params
 from lightning_amp.amp import o2_policy
 from lightning_amp.amp.casts import active_cast
 from lightning_amp.amp.forward import forward_context
 from lightning_amp.amp.levels import resolve_properties
 from lightning_amp.amp.module_cast import default_dtype, saturate
+from support.trainer import LossRecorder, quiet_lightning
 
 F16, BF16 = torch.float16, torch.bfloat16
 

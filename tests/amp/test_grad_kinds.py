@@ -27,7 +27,7 @@ from lightning_amp import AmpPrecision
 from lightning_amp.amp.grad_kinds import check_and_unscale_, check_finite
 from lightning_amp.amp.module_cast import cast_floating
 
-from _lightning import quiet_lightning
+from support.trainer import quiet_lightning
 
 torchmetrics = pytest.importorskip("torchmetrics")
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _lightning import quiet_lightning
 from lightning_amp import AmpPrecision
 from lightning_amp.amp.engine import AmpEngine, root_scale_limit
 from lightning_amp.amp.levels import resolve_properties
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.fabric import FabricAmpO1Precision, FabricAmpO2Precision
+from support.trainer import quiet_lightning
 
 TOL = 4e-4  # max |weights - 32-true's| after 4 steps; measured 1.1e-4 (Trainer), 4.2e-5 (Fabric)
 STEPS = 4

@@ -5,11 +5,11 @@ import warnings
 import pytest
 import torch
 
-from _ladder_nets import BigGradNet, GainSum, full_batch
 from lightning_amp.amp.ladder import AmpLadder
 from lightning_amp.amp.ladder_rules import BF16_LADDER, FP16_LADDER, LadderRules, Rung, RungWatch, check_ladder
 from lightning_amp.amp.ladder_snapshot import SnapshotStore
 from lightning_amp.amp.runtime import AmpRuntime, named_params
+from support.ladder_nets import BigGradNet, GainSum, full_batch
 
 # ---- validation ------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from _ladder_nets import GainSum, full_batch
+from support.ladder_nets import GainSum, full_batch
 from lightning_amp import LadderRules
 from lightning_amp.amp.runtime import AmpRuntime, named_params
 

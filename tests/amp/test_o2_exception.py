@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _lightning import quiet_lightning
 from lightning_amp import AmpO2Plugin
 from lightning_amp.amp import o2_policy
 from lightning_amp.amp.runtime import AmpRuntime
 from lightning_amp.fabric import FabricAmpO2Precision
+from support.trainer import quiet_lightning
 
 pytestmark = pytest.mark.skipif(not o2_policy.available(), reason="needs the compiled extension")
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
-from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO2Plugin
 from lightning_amp.amp import o2_policy
+from support.trainer import LossRecorder, quiet_lightning
 
 BF16 = torch.bfloat16
 

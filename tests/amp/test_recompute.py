@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import lightning as L
 from lightning_amp import AmpPrecision
 
-from tests._lightning import quiet_lightning
+from support.trainer import quiet_lightning
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _lightning import quiet_lightning
 from lightning_amp import AmpO3Plugin
 from lightning_amp.amp.engine import AmpEngine
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.fabric import FabricAmpO3Precision
+from support.trainer import quiet_lightning
 
 RTOL = 2e-2  # |grad / scale - fp64 grad| relative to the largest grad: float16 rounding, far below a factor 2
 

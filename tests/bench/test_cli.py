@@ -78,6 +78,7 @@ def test_names_are_case_insensitive():
     assert (args.dtype, args.accelerator, args.size, args.optimizer) == ("bfloat16", "cpu", "tiny", "fused-adam")
 
 
+@pytest.mark.slow
 def test_console_script_rejects_bad_arguments():
     script = Path(sys.executable).with_name("lightning-amp")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_amp.cli"]
@@ -110,6 +111,7 @@ def _has_colour(pixels: np.ndarray, hex_colour: str) -> bool:
 QUICK_LEVELS = ("fp32", "bf16-mixed", "bf16-true", "O2")
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_valid_json_table_and_chart(tmp_path, capsys):
     out = tmp_path / "bench-out"
     argv = ["bench", "--quick", "--accelerator", "cpu", "--threads", "1", "--levels", ",".join(QUICK_LEVELS),

@@ -433,6 +433,7 @@ def test_bench_optim_json_rows_feed_the_optimizer_targets(tmp_path, monkeypatch)
     assert all(v.status in (PASS, FAIL) and v.value is not None for v in judged), judged
 
 
+# not marked slow (5 s measured): the fast lane's only test of lightning_amp.bench.gpu_pytest (lane_durations.py)
 def test_the_pytest_plugin_records_each_outcome_as_it_comes(tmp_path):
     """A real pytest run with the plugin, killed during its fourth test: the three before it are recorded,
     the fourth and fifth are not reached, the deselected one is not counted."""
@@ -584,6 +585,7 @@ sys.exit(gpu_check.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_check_killed_mid_part_keeps_the_verdicts_of_the_parts_before(tmp_path, how):
     out = tmp_path / "out"
@@ -664,6 +666,7 @@ def test_bad_input_is_a_usage_error_naming_the_allowed_values(argv, message, cap
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_make_gpu_check_refuses_bad_input_without_a_traceback(tmp_path):
     """Through make (one call: each starts torch): the budget is refused first, naming what it must be."""
     done = subprocess.run(["make", "-s", "-C", str(ROOT), "gpu-check", f"GPU_PY={sys.executable}",

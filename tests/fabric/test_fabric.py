@@ -16,11 +16,11 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_amp import AmpO2Plugin
 from lightning_amp.fabric import FabricAmpO2Precision, FabricAmpPrecision
+from support.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import fabric_tiny_gpt as gpt  # noqa: E402
-from _net import free_port  # noqa: E402
 
 STEPS = 4
 
@@ -89,6 +89,7 @@ def test_injected_inf_skips_the_step_and_changes_nothing(level):
         assert torch.equal(value, skipped["weights"][key]), key
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_skip_together(tmp_path):
     """O2 under Fabric(strategy="ddp", devices=2) on gloo: rank 1 alone overflows at step 1, both ranks skip
     it and stay identical, and they match one process on the same global batches within bf16 rounding."""

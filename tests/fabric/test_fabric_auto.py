@@ -5,9 +5,9 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from _ladder_nets import BigGradNet, GainSum, full_batch
 from lightning_amp import LadderRules
 from lightning_amp.fabric import FabricAmpAutoPrecision, FabricAmpPrecision, make_scheduler_skip_aware
+from support.ladder_nets import BigGradNet, GainSum, full_batch
 
 RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2)
 

@@ -23,7 +23,7 @@ from lightning_amp import AmpO2Plugin
 from lightning_amp.amp import o2_policy
 from lightning_amp.fabric import FabricAmpO2Precision, TensorParallelStrategy
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
-from _net import free_port, run_two_ranks
+from support.processes import free_port, run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -36,9 +36,8 @@ LEVELS = ("O1", "O2", "O3")
 
 
 def _launch(out: Path, runs: list) -> dict:
-    """Both ranks of tests/fabric/fabric_tp_script.py, started as torchrun would; {name: (rank0, rank1) results}."""
-    script = Path(__file__).with_name("fabric_tp_script.py")
-    run_two_ranks([sys.executable, str(script), str(out), json.dumps(runs)], [ROOT])
+    """Both ranks of support/scripts/fabric_tp.py, started as torchrun would; {name: (rank0, rank1) results}."""
+    run_two_ranks("fabric_tp", out, json.dumps(runs))
     return {name: tuple(torch.load(out / f"{name}.rank{r}.pt") for r in (0, 1)) for name, _ in runs}
 
 
@@ -52,6 +51,7 @@ def _initial_weights() -> dict:
     return gpt.TinyGPT().state_dict()
 
 
+@pytest.mark.slow
 def test_tp2_matches_one_process_resumes_exactly_and_moves_checkpoints(tmp_path):
     """fp32: TP=2 ends within 1e-5 of one process (measured 6e-8) after 4 steps of 2 micro-batches with
     no_backward_sync and clipping; every rank holds half of each split layer. fabric.save at TP=2 writes the

@@ -5,8 +5,6 @@ processes)."""
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -17,9 +15,7 @@ from torch import nn
 
 from lightning_amp.fabric import FabricAmpPrecision
 from lightning_amp.parallel.main_grad import MainGradBuffer
-from _net import run_two_ranks
-
-ROOT = Path(__file__).resolve().parents[2]
+from support.processes import run_two_ranks
 
 
 def _fabric(precision, **amp):
@@ -148,12 +144,13 @@ def test_gan_second_optimizer_unscales_its_first_step(level):
     assert precision.skipped_steps == 0 and precision.loss_scales == [65536.0, 65536.0]
 
 
+@pytest.mark.slow
 def test_tp_fused_main_grad_follows_zero_grad_and_each_optimizers_step(tmp_path):
     """Fabric(strategy="tp_fused", devices=2) (TP=2, fused wgrad into main_grad), the tiny GPT with two SGD optimizers
-    over disjoint params sharing one main_grad buffer, against a plain fp32 loop (tests/fabric/fabric_tp_grads_script.py):
+    over disjoint params sharing one main_grad buffer, against a plain fp32 loop (support/scripts/fabric_tp_grads.py):
     zero_grad() without a step drops those grads, two backwards before a step sum, one optimizer's step leaves the
     other's grads. Measured 1.2e-7 from the plain loop; before, 4.7e-2 / 5.5e-2 / 5.5e-2."""
-    run_two_ranks([sys.executable, str(Path(__file__).with_name("fabric_tp_grads_script.py")), str(tmp_path)], [ROOT])
+    run_two_ranks("fabric_tp_grads", tmp_path)
     for name in ("zero_without_step", "two_backwards", "one_optimizer_steps"):
         for rank in (0, 1):
             result = torch.load(tmp_path / f"{name}.rank{rank}.pt")

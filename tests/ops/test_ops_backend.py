@@ -4,7 +4,6 @@ The environment variable is checked once end to end in a fresh interpreter; the 
 conditions load an independent copy of the ops package in-process (cheaper than a subprocess).
 """
 import glob
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,7 +14,8 @@ import pytest
 import torch
 
 from lightning_amp import ops
-from _bounds import gamma, two_orders_apart
+from support.bounds import gamma, two_orders_apart
+from support.fresh_ops import fresh_ops_module
 
 EXT = ops._ext_for("cpu")
 
@@ -83,24 +83,7 @@ def test_backend_names_the_implementation_that_runs(device, monkeypatch):
     assert ops.extension_error() is None and ops.extension_path().endswith(".so")
 
 
-def _fresh_ops_module(name):
-    """A new, independent copy of the lightning_amp/ops package, executed under the current patches.
-
-    Its torch.library operators are the process's own (``_library`` is shared: an operator is
-    registered once per process); the copy calls them only when its own loader found the extension."""
-    here = os.path.dirname(ops.__file__)
-    spec = importlib.util.spec_from_file_location(name, ops.__file__, submodule_search_locations=[here])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    sys.modules[f"{name}._library"] = ops._library
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
-            del sys.modules[key]
-    return module
-
-
+@pytest.mark.slow
 @pytest.mark.skipif(EXT is None, reason="compiled extension not loaded")
 def test_disable_env_var_forces_fallback_with_matching_results(tmp_path):
     """The workload runs here on the extension and in a fresh interpreter with the env var set."""
@@ -132,7 +115,7 @@ def test_disable_env_var_forces_fallback_with_matching_results(tmp_path):
 
 def test_disable_env_var_is_read_at_import(monkeypatch):
     monkeypatch.setenv("LIGHTNING_AMP_DISABLE_EXT", "1")
-    probe = _fresh_ops_module("lamp_ops_disabled_probe")
+    probe = fresh_ops_module("lamp_ops_disabled_probe")
     assert probe.backend("cpu") == "torch"
     assert "LIGHTNING_AMP_DISABLE_EXT" in probe.extension_error()
 
@@ -160,7 +143,7 @@ def test_built_but_unloadable_extension_is_loud(monkeypatch, capsys, tmp_path):
                         if pattern.endswith(".so") else [])
     with pytest.warns(RuntimeWarning, match=r"_C\.cpython-311-x86_64-linux-gnu\.so is built but failed to load: "
                                              r"import of lightning_amp\._C halted"):
-        probe = _fresh_ops_module("lamp_ops_unloadable_probe")
+        probe = fresh_ops_module("lamp_ops_unloadable_probe")
     assert probe.backend("cpu") == "torch"
     monkeypatch.setattr(ops._ext, "_EXT", None)
     monkeypatch.setattr(ops._ext, "_EXT_ERROR", probe.extension_error())
@@ -170,7 +153,7 @@ def test_built_but_unloadable_extension_is_loud(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("LIGHTNING_AMP_REQUIRE_EXT", "1")
     with pytest.raises(ImportError, match=r"LIGHTNING_AMP_REQUIRE_EXT=1 but lightning_amp/_C\.cpython-311.*\.so "
                                           r"is built but failed to load: import of lightning_amp\._C halted"):
-        _fresh_ops_module("lamp_ops_required_probe")
+        fresh_ops_module("lamp_ops_required_probe")
 
 
 def test_require_env_var_fails_import_of_the_package(tmp_path):
@@ -211,7 +194,7 @@ def test_missing_extension_warns_once_and_ops_still_work(monkeypatch, tmp_path):
     monkeypatch.setattr(glob, "glob", lambda pattern: [])  # no file: "not built"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        probe = _fresh_ops_module("lamp_ops_missing_probe")
+        probe = fresh_ops_module("lamp_ops_missing_probe")
     msgs = [str(w.message) for w in caught if "lightning_amp._C is not built" in str(w.message)]
     assert len(msgs) == 1, msgs
     assert probe.backend("cpu") == "torch" and probe.extension_error()

@@ -18,8 +18,7 @@ from torch.utils import cpp_extension
 
 from lightning_amp import ops
 from lightning_amp.ops import _build
-
-from test_ops_backend import _fresh_ops_module
+from support.fresh_ops import fresh_ops_module
 
 KEY = _build.BuildKey("torch0.0-test-py311-0123456789abcdef", {"torch": "0.0", "with_cuda": False})
 
@@ -212,18 +211,18 @@ def test_no_compiler_falls_back_loudly(cache, monkeypatch):
     _unloadable_prebuilt(monkeypatch, cache, CXX="/nonexistent/g++")
     with pytest.warns(RuntimeWarning, match=r"is built but failed to load: .*; no C\+\+ compiler found "
                                             r"\(CXX='/nonexistent/g\+\+' is not on PATH\); install g\+\+"):
-        probe = _fresh_ops_module("lamp_ops_no_compiler_probe")
+        probe = fresh_ops_module("lamp_ops_no_compiler_probe")
     assert probe.backend("cpu") == "torch" and "no C++ compiler found" in probe.extension_error()
     monkeypatch.setenv("LIGHTNING_AMP_REQUIRE_EXT", "1")
     with pytest.raises(ImportError, match=r"LIGHTNING_AMP_REQUIRE_EXT=1 but .*no C\+\+ compiler found"):
-        _fresh_ops_module("lamp_ops_no_compiler_required_probe")
+        fresh_ops_module("lamp_ops_no_compiler_required_probe")
 
 
 def test_failing_compiler_falls_back_loudly_naming_the_log(cache, monkeypatch, capfd):
     """A compiler that runs but fails (here /bin/false): the warning names the kept log, nothing is cached."""
     _unloadable_prebuilt(monkeypatch, cache, CXX="/bin/false", MAX_JOBS="1")
     with pytest.warns(RuntimeWarning, match=r"building the compiled kernels failed \(exit 1; log .*\.failed\.log\)"):
-        probe = _fresh_ops_module("lamp_ops_failing_compiler_probe")
+        probe = fresh_ops_module("lamp_ops_failing_compiler_probe")
     assert probe.backend("cpu") == "torch"
     assert "lightning_amp: building the compiled kernels for torch" in capfd.readouterr().err
     logs = [p for p in os.listdir(cache) if p.endswith(".failed.log")]
@@ -234,7 +233,7 @@ def test_failing_compiler_falls_back_loudly_naming_the_log(cache, monkeypatch, c
 def test_no_build_switch_loads_only_what_is_built(cache, monkeypatch):
     _unloadable_prebuilt(monkeypatch, cache, LIGHTNING_AMP_NO_BUILD="1")
     with pytest.warns(RuntimeWarning, match=r"no cached build for torch .* and LIGHTNING_AMP_NO_BUILD=1"):
-        probe = _fresh_ops_module("lamp_ops_no_build_probe")
+        probe = fresh_ops_module("lamp_ops_no_build_probe")
     assert probe.backend("cpu") == "torch" and not cache.exists()
 
 

@@ -2,22 +2,15 @@
 on a 1-rank mesh (this process) and on 2 gloo CPU ranks, each op equals the op on the full tensors with its
 placements kept, the reduced outputs (norms, flags, LAMB's squared norms) reduce to those of the whole tensors,
 and FusedAdam/FusedSGD/FusedLAMB on a ``fully_shard`` model step as on the unsharded model; the compiled path
-never unwraps by hand (``ops.local_shards`` fails if called). The checks are in dtensor_checks.py.
+never unwraps by hand (``ops.local_shards`` fails if called). The checks are in support/dtensor_checks.py.
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_amp import ops
-from _net import free_port
+from support.processes import free_port, run_script
 
-HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
 pytestmark = pytest.mark.skipif(ops._ext_for("cpu") is None,
                                 reason=f"compiled extension not loaded: {ops.extension_error()}")
 
@@ -25,8 +18,7 @@ pytestmark = pytest.mark.skipif(ops._ext_for("cpu") is None,
 def test_ops_on_a_one_rank_mesh_equal_the_ops_on_full_tensors(monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
 
-    sys.path.insert(0, str(HERE))
-    import dtensor_checks
+    from support import dtensor_checks
 
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         monkeypatch.delenv(key, raising=False)
@@ -39,16 +31,11 @@ def test_ops_on_a_one_rank_mesh_equal_the_ops_on_full_tensors(monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ops_on_two_gloo_ranks_equal_the_ops_on_full_tensors(tmp_path):
-    sys.path.insert(0, str(HERE))
-    import dtensor_checks
+    from support import dtensor_checks
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout's package
-    proc = subprocess.run([sys.executable, str(HERE / "dtensor_script.py"), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=240, cwd=HERE)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script("dtensor", tmp_path)
     for rank in range(2):
         text = (tmp_path / f"rank{rank}.txt").read_text()
         assert text.splitlines() == dtensor_checks.CHECKS, f"rank {rank}:\n{text}"

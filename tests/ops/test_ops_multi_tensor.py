@@ -260,6 +260,34 @@ def test_l2norm_matches_fp64(dtype):
     assert ops.multi_tensor_l2norm(tensors)[1] is None
 
 
+@needs_ext
+def test_two_threads_share_the_chunks_and_equal_one_thread():
+    """tests/conftest.py runs each test on one intra-op thread; here ``at::parallel_for`` hands the chunks of several
+    tensors (two of them two chunks long) to 2 threads: the scale, the norms (per-chunk partials summed in chunk order)
+    and FusedAdam's steps equal the one-thread run's bit for bit."""
+    from lightning_amp.optimizers import FusedAdam
+
+    def run(threads):
+        torch.set_num_threads(threads)  # the fixture restores the count
+        assert torch.get_num_threads() == threads
+        src = _randn_list([(65537,), (33,), (70000,), (3, 5, 7)], [torch.float32, torch.bfloat16] * 2, 11)
+        dst = [torch.empty_like(s) for s in src]
+        found_inf, flags = ops.multi_tensor_scale(src, dst, 0.3710, per_tensor=True)
+        total, each = ops.multi_tensor_l2norm(dst, per_tensor=True)
+        params = [torch.nn.Parameter(s.float()) for s in src]
+        opt = FusedAdam(params, lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            for p, g in zip(params, _randn_list([p.shape for p in params], [torch.float32] * 4, 20 + step)):
+                p.grad = g
+            opt.step()
+        return [found_inf, flags, total, each, *dst, *params]
+
+    one, two = run(1), run(2)
+    assert ops.backend("cpu") == "cpu-ext"
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
 def test_l2norm_large_tensor_and_empty_list():
     big = [torch.randn(4_000_003).bfloat16(), torch.randn(1)]
     total_ref, each_ref = _norm_ref(big)

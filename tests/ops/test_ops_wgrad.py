@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_amp import ops
-from _bounds import two_orders_apart
+from support.bounds import two_orders_apart
 
 EXT = ops._ext_for("cpu")
 needs_ext = pytest.mark.skipif(EXT is None, reason=f"compiled extension not loaded: {ops.extension_error()}")
@@ -354,6 +354,7 @@ def _cpu_flags():
         return set()
 
 
+@pytest.mark.slow
 @needs_ext
 @pytest.mark.parametrize("kind", list(CPU_KINDS))
 def test_cpu_kind_paths_and_choice(kind):
@@ -383,6 +384,7 @@ def test_cpu_kind_paths_and_choice(kind):
         assert r["fastest"] == r["ranked"][0], r
 
 
+@pytest.mark.slow
 @needs_ext
 def test_policy_from_environment():
     """LIGHTNING_AMP_WGRAD_CPU_GEMM pins the path at import; a bad value is a ValueError naming it."""

@@ -21,9 +21,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_amp  # noqa: F401  (registers "tp_fused")
-import torchtitan_llama as tt
 from lightning_amp.parallel.plan import PARALLEL_LAYERS
-from _net import free_port
+from support import torchtitan_llama as tt
+from support.processes import free_port
 
 REFUSAL = (r"tp_fused.*tensor-parallel already: its parameter 'layers\.0\.attention\.wq\.weight' is a DTensor "
            r"\(placements \(Shard\(dim=0\),\).*drop your parallelize function.*ModelParallelStrategy.*Nothing was changed")

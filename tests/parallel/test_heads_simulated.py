@@ -1,4 +1,4 @@
-"""Every head layout at every size it exists, up to tp=8, in one process (tests/parallel/simulated_ranks.py: each
+"""Every head layout at every size it exists, up to tp=8, in one process (tests/support/simulated_ranks.py: each
 rank's shard of the attention run as that rank, summed, against the unconverted attention): query heads split;
 key/value heads split (their count divisible by tp) or replicated (tp a multiple of it: every rank keeps the
 key/value head its queries use, rank r the head r // (tp / n_kv)); for attentions nobody here wrote, found by
@@ -16,12 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import torchtitan_llama as tt
-from _bounds import gamma
-from _optional import require
 from lightning_amp.parallel.plan import build_plan
-from renamed import rename_instances
-from simulated_ranks import backward, grad_errors, simulate
+from support import torchtitan_llama as tt
+from support.bounds import gamma
+from support.optional_deps import require
+from support.renamed import rename_instances
+from support.simulated_ranks import backward, grad_errors, simulate
 
 TOLERANCE = gamma(64)
 DIM, HEADS, SEQ = 64, 16, 5

@@ -1,24 +1,21 @@
 """litgpt's ``GPT`` under Fabric(strategy="tp_fused") on 2 real gloo ranks, against one process: pythia-, llama- (GQA)
 and gemma-like (MQA: the key/value head replicated) configs built from ``litgpt.Config`` with random weights, fp32 and
 O2, with and without sequence parallelism, a hand-written plan naming the fused qkv, the gathered checkpoint loaded
-into a plain ``GPT``, and the KV-cache decoding path (tests/parallel/litgpt_tp.py is the loop)."""
+into a plain ``GPT``, and the KV-cache decoding path (support/scripts/litgpt_tp.py is the loop)."""
 from __future__ import annotations
 
 import functools
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from _net import run_two_ranks
-from _optional import require
+from support.optional_deps import require
+from support.processes import run_two_ranks
 
 litgpt = require("litgpt")
-import litgpt_tp as loop  # noqa: E402  (needs litgpt)
+from support.scripts import litgpt_tp as loop  # noqa: E402  (needs litgpt)
 
-ROOT = Path(__file__).resolve().parents[2]
 HAND_PLAN = {"transformer.h.*.attn.qkv": "column", "transformer.h.*.attn.proj": "row"}
 RUNS = [
     *[[f"{name}_fp32", dict(name=name)] for name in loop.CONFIGS],
@@ -36,7 +33,7 @@ def runs(tmp_path_factory) -> dict:
     """{run name: (rank 0, rank 1) results} of every entry of RUNS at TP=2, both ranks started once."""
     out = tmp_path_factory.mktemp("litgpt_tp")
     spec = [[name, dict(kwargs, devices=2)] for name, kwargs in RUNS]
-    run_two_ranks([sys.executable, str(Path(loop.__file__)), str(out), json.dumps(spec)], [ROOT, ROOT / "tests"])
+    run_two_ranks("litgpt_tp", out, json.dumps(spec))
     return {name: tuple(torch.load(out / f"{name}.rank{r}.pt") for r in (0, 1)) for name, _ in RUNS}
 
 

@@ -14,7 +14,7 @@ import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import apply_plan
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.parallel.strategy import TensorParallelStrategy
-from _net import free_port
+from support.processes import free_port
 
 
 class BatchNormMLP(pl.LightningModule):
@@ -108,6 +108,7 @@ def test_a_parent_fx_cannot_trace_is_checked_by_structure_with_a_warning_naming_
     assert kinds == {"0.gate_proj": "column", "0.up_proj": "column", "0.down_proj": "row"}
 
 
+@pytest.mark.slow
 def test_batchnorm_mlp_on_two_ranks_raises_the_value_error(tmp_path):
     """Before the check both ranks crashed in forward: 'running_mean should contain 16 elements not 32'."""
     os.environ["MASTER_PORT"] = str(free_port())

@@ -1,6 +1,6 @@
 """tp_fused on model families nobody here wrote (tiny, randomly initialised, no downloads): ``transformers``
 BERT, RoBERTa, GPT-2 (Conv1D, fused QKV), Llama and Mistral (GQA), Lightning's demo ``nn.Transformer``, and BERT,
-GPT-2 and Llama with their layers and head attributes renamed (tests/parallel/renamed.py: no name the plan knows is
+GPT-2 and Llama with their layers and head attributes renamed (tests/support/renamed.py: no name the plan knows is
 left, so their attention and MLPs are found by structure).
 
 One LightningModule holds every family and trains them side by side (the loss is their sum; their params
@@ -24,7 +24,7 @@ import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.parallel.strategy import TensorParallelStrategy
-from _net import free_port
+from support.processes import free_port
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="the `transformers` families need `transformers`")
@@ -62,7 +62,7 @@ def hf_models(names=FAMILIES):
     from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                               MistralConfig, MistralForCausalLM, RobertaConfig, RobertaForMaskedLM)
 
-    from renamed import rename_instances
+    from support.renamed import rename_instances
 
     bert = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                 intermediate_size=FFN, max_position_embeddings=SEQ + 4, hidden_dropout_prob=0.0,
@@ -180,6 +180,7 @@ def state_diff(got: dict, ref: dict, prefix: str) -> float:
     return max((got[k] - ref[k]).abs().max().item() for k in keys) / scale
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_families_tp2_match_single_device_checkpoints_and_resume(tmp_path):
     ref, _ = fit(tmp_path / "single", "auto", 1)
@@ -234,12 +235,14 @@ def _o2_trains(tmp_path, names):
         assert values[-1] < values[0], f"{name} did not train under O2 bf16: {values}"
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_transformers_families_tp2_bf16_o2_train(tmp_path):
     """TP=2 with AmpO2Plugin(bfloat16): every ``transformers`` family trains (finite losses that fall)."""
     _o2_trains(tmp_path, HF)
 
 
+@pytest.mark.slow
 def test_demo_transformer_tp2_bf16_o2_trains(tmp_path):
     _o2_trains(tmp_path, ("demo",))
 

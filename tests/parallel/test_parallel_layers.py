@@ -4,29 +4,14 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_amp.parallel import ParallelMultiheadAttention, apply_plan, comm
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from _bounds import two_orders_apart
-from _net import free_port
+from support.bounds import two_orders_apart
+from support.processes import run_on_two_ranks
 
 WORLD = 2
-
-
-
-def run_on_two_ranks(fn, *args):
-    mp.spawn(_entry, args=(fn, free_port(), args), nprocs=WORLD, join=True)
-
-
-def _entry(rank, fn, port, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        fn(rank, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _close(actual, expected, dtype, what):
@@ -215,6 +200,7 @@ def _all_cases(rank):
     _check_named_attention_plan(rank)
 
 
+@pytest.mark.slow
 def test_column_row_match_linear_and_comm_pairs():
     """fp32/bf16 x fused/unfused wgrad x with/without sequence parallelism, then gather/scatter/copy/reduce
     adjointness, size errors and the plan's messages for unsplittable layers (one spawn: process start-up

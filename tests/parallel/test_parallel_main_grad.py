@@ -1,6 +1,7 @@
 """MainGradBuffer on 2 real gloo ranks (DP=2): fp32 main_grad views, hooks, bucketed/overlapped all-reduce,
 params used twice or not at all, accumulation, and the TP-aware grad norm."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -9,8 +10,9 @@ from torch import nn
 from lightning_amp.parallel import ColumnParallelLinear, MainGradBuffer, RowParallelLinear, clip_grad_norm_, tp_grad_norm
 from lightning_amp.parallel import comm
 from lightning_amp.parallel.main_grad import mark_sequence_parallel
-from _net import free_port
+from support.processes import free_port
 
+pytestmark = pytest.mark.slow  # its one test spawns 2 ranks (12 s measured, benchmarks/RESULTS.md)
 
 
 class Net(nn.Module):

@@ -18,7 +18,7 @@ from lightning_amp.parallel import apply_plan
 from lightning_amp.parallel.main_grad import MainGradBuffer
 from lightning_amp.parallel.plan import gathered_state_dict
 from lightning_amp.parallel.strategy import TensorParallelStrategy
-from _net import free_port
+from support.processes import free_port
 
 VOCAB, SEQ, D, HEADS, FF = 20, 6, 16, 4, 24
 
@@ -180,6 +180,7 @@ def _worker(rank, port, result_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sequence_parallel_plan_matches_unconverted_model(tmp_path):
     """Outputs, input grads and every param's gradient (LayerNorms' all-reduced over TP: without it
     they hold only this rank's tokens' share and ``grad_params`` fails) match the fp32 model."""
@@ -246,6 +247,7 @@ def _fit(out_dir, strategy, devices, steps=12):
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_trainer_sequence_parallel_tp2_matches_single_device(tmp_path):
     single, tp2 = tmp_path / "single", tmp_path / "tp2"
     single.mkdir(), tp2.mkdir()
@@ -301,6 +303,7 @@ def _fit_epochs(out_dir, epochs, save_to, ckpt_path=None):
     return torch.load(save_to, weights_only=False)["state_dict"]
 
 
+@pytest.mark.slow
 def test_tp2_o2_resume_is_exact(tmp_path):
     """TP=2, O2 bf16: 2 epochs straight == 1 epoch, checkpoint, 1 more epoch (bitwise): the checkpoint holds
     the gathered fp32 values of sharded params (O2 params are fp32) and resume slices them back."""

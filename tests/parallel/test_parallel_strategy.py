@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import ColumnParallelLinear, ParallelMultiheadAttention, RowParallelLinear, apply_plan
 from lightning_amp.parallel.strategy import TensorParallelStrategy
-from _net import free_port
+from support.processes import free_port
 
 VOCAB, SEQ, D, HEADS, FF = 24, 6, 16, 4, 32
 
@@ -90,6 +90,7 @@ def _rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_tp2_matches_single_device_and_checkpoint_reshards(tmp_path):
     single, tp2 = tmp_path / "single", tmp_path / "tp2"
     single.mkdir(), tp2.mkdir()
@@ -147,6 +148,7 @@ def test_norm_clipping_goes_through_the_strategy_for_the_run_only(plugin):
     assert "clip_grad_by_norm" not in vars(plugin)  # the plugin clips on its own again after the run
 
 
+@pytest.mark.slow
 def test_tp1_dp2_matches_ddp_with_accumulation(tmp_path):
     ddp, ours = tmp_path / "ddp", tmp_path / "ours"
     ddp.mkdir(), ours.mkdir()
@@ -210,6 +212,7 @@ def test_bad_sizes_and_arguments():
             TinyTransformer(), DataLoader(dataset(4), batch_size=2))
 
 
+@pytest.mark.slow
 def test_tp2_bf16_o2_matches_single_device(tmp_path):
     """bf16 O2 at TP=2 against bf16 O2 on one device. The runs differ only by where bf16 rounds (the row-parallel
     partial sums are rounded before their all-reduce), so every loss must agree within half a bf16 ulp

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_amp.parallel.plan import build_plan
-from _optional import require
+from support.optional_deps import require
 
 
 def _refused(model: nn.Module, plan, tp: int = 2) -> str:

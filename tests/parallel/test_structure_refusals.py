@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import torchtitan_llama as tt
 from lightning_amp.parallel.plan import build_plan
-from simulated_ranks import simulate
+from support import torchtitan_llama as tt
+from support.simulated_ranks import simulate
 
 
 def _refused(model: nn.Module, tp: int) -> str:

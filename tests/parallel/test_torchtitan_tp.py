@@ -1,9 +1,9 @@
-"""A Llama written as Meta and torchtitan write it (tests/parallel/torchtitan_llama.py: wq/wk/wv/wo, w1/w3 -> w2,
+"""A Llama written as Meta and torchtitan write it (tests/support/torchtitan_llama.py: wq/wk/wv/wo, w1/w3 -> w2,
 -1 reshapes and repeat_kv, or Meta's n_local_heads reshapes and matmul/softmax), and the same with its attributes
 renamed, under Fabric(strategy="tp_fused") on real gloo ranks, against one process: every Linear but the vocabulary
 head split (the attention found by structure), MHA, GQA and MQA with key/value heads split and replicated at tp=2
 (2 ranks) and tp=4 (4 ranks: 2 key/value groups replicated, where a rank that picks the wrong key/value head shows);
-litgpt's fused [q | k | v] with 2 groups at tp=4 too (tests/parallel/litgpt_tp.py's loop). fp32: every step's loss
+litgpt's fused [q | k | v] with 2 groups at tp=4 too (tests/support/scripts/litgpt_tp.py's loop). fp32: every step's loss
 and every weight within 1e-5 relative of one process (measured: losses <= 1.2e-7, weights <= 2.2e-7); the gathered checkpoint loads strictly into the plain model,
 which then computes the TP model's logits, and loads back into the TP model exactly; the plan report is logged once,
 on rank 0, and kept as ``fabric.strategy.plan_report``. O2 (bf16) with the key/value head kept whole: within bf16
@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import torchtitan_tp as loop
-from _net import run_ranks
-from _optional import available
+from support.optional_deps import available
+from support.processes import run_ranks
+from support.scripts import torchtitan_tp as loop
 
 ROOT = Path(__file__).resolve().parents[2]
 TP2 = ["mha", "gqa", "mqa", "renamed_meta_gqa"]
@@ -30,8 +29,7 @@ TP4 = ["gqa8", "gqa8_2", "mqa8", "renamed_meta_gqa8_2"] + (["litgpt:llama_gqa"] 
 
 def _launch(out: Path, names: list, world_size: int) -> dict:
     spec = [[name, dict(name=name.split("@")[0], devices=world_size, precision=_precision(name))] for name in names]
-    run_ranks([sys.executable, str(Path(loop.__file__)), str(out), json.dumps(spec)], [ROOT, ROOT / "tests",
-              ROOT / "tests" / "parallel"], world_size)
+    run_ranks("torchtitan_tp", (out, json.dumps(spec)), world_size)
     return {(name, world_size): [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(world_size)]
             for name in names}
 

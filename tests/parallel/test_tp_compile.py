@@ -11,8 +11,8 @@ from lightning_amp.optimizers import FusedAdam
 from lightning_amp.parallel import MainGradBuffer, comm
 from lightning_amp.parallel.groups import build_groups
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from _bounds import two_orders_apart
-from test_parallel_layers import run_on_two_ranks
+from support.bounds import two_orders_apart
+from support.processes import run_on_two_ranks
 
 needs_ext = pytest.mark.skipif(ops._ext_for("cpu") is None,
                                reason=f"compiled extension not loaded: {ops.extension_error()}")
@@ -101,6 +101,7 @@ def _two_rank_cases(rank):
             raise AssertionError(f"rank {rank}, sequence_parallel={sequence_parallel}: {err}") from err
 
 
+@pytest.mark.slow
 @needs_ext
 @needs_backward_tracing
 def test_fused_tp_mlp_training_step_compiles_fullgraph_like_eager_on_two_ranks():

@@ -4,22 +4,22 @@ After ``fit``/``validate``/``predict`` Lightning's precisions leave a plain ``nn
 ``torch.jit.script`` (``to_torchscript``), ``torch.export``, deep copies and ``torch.save`` loaded
 where lightning_amp is not installed all work, and a direct call gives what the checkpoint reloaded
 into the plain model gives. Ours must too (:mod:`lightning_amp.amp.release`), and a second run with
-the same plugin must prepare the model again. The model: tests/precision/_after_fit_model.py (BatchNorm, a
+the same plugin must prepare the model again. The model: tests/support/after_fit_model.py (BatchNorm, a
 projection buffer, a tensor made inside forward, a torchmetrics metric).
 """
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor, throughput_monitor
 
-from _after_fit_model import AfterFitNet
-from _lightning import quiet_lightning
 from lightning_amp import AmpPrecision
+from support.after_fit_model import AfterFitNet
+from support.processes import TESTS
+from support.trainer import quiet_lightning
 
 # level -> (AmpPrecision kwargs, Lightning's counterpart)
 LEVELS = {
@@ -111,7 +111,7 @@ def test_direct_call_after_fit_matches_the_checkpoint_in_a_plain_model(level, tm
 _LOAD = """
 import sys, torch
 sys.modules["lightning_amp"] = None  # any unpickled reference to lightning_amp fails
-sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1])  # tests/: support.after_fit_model, the model's module
 for path in sys.argv[2:]:
     model = torch.load(path, weights_only=False).eval()
     x = torch.load(path + ".x")
@@ -119,6 +119,7 @@ for path in sys.argv[2:]:
 """
 
 
+@pytest.mark.slow
 def test_saved_model_loads_where_lightning_amp_is_not_installed(tmp_path):
     """``torch.save(model)`` after fit, loaded by a process that cannot import lightning_amp, gives the
     same outputs. Formerly the pickle held our hooks and the metric's patched ``_apply``
@@ -133,7 +134,7 @@ def test_saved_model_loads_where_lightning_amp_is_not_installed(tmp_path):
         torch.save(x, path + ".x")
         torch.save(model(x).detach(), path + ".out")
         paths.append(path)
-    result = subprocess.run([sys.executable, "-c", _LOAD, str(Path(__file__).parent), *paths],
+    result = subprocess.run([sys.executable, "-c", _LOAD, str(TESTS), *paths],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [float(line) for line in result.stdout.split()] == [0.0, 0.0]

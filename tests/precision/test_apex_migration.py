@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO1Plugin, AmpO2Plugin, AmpPrecision, FusedLAMB, main_params
+from support.trainer import LossRecorder, quiet_lightning
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,6 +153,7 @@ def _fit_imagenet(precision, overflow_at=None, callbacks=()):
     return model, losses.losses, trainer
 
 
+@pytest.mark.slow
 def test_imagenet_example_at_o2_with_apex_strings_trains_like_32_true():
     args = imagenet_args(IMAGENET_ARGV)
     plugin = AmpPrecision(opt_level=args.opt_level, dtype="float16", keep_batchnorm_fp32=args.keep_batchnorm_fp32,

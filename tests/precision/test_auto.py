@@ -1,5 +1,4 @@
 """``AmpPrecision(opt_level="auto")`` under the Trainer (CPU, float16): the ladder moves, rolls back, logs and resumes."""
-import contextlib
 import csv
 
 import lightning as L
@@ -7,39 +6,23 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from _ladder_nets import BigGradNet, GainSum, LitNet
-from _lightning import quiet_lightning
 from lightning_amp import AmpAutoPlugin, AmpPrecision, LadderRules
+from support.ladder_nets import BigGradNet, GainSum, LitNet, fit
+from support.trainer import assert_same_weights, quiet_lightning
 
 RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2)
-
-
-def _fit(net_cls, plugin, steps, ckpt_path=None, quiet=True, **trainer_kwargs):
-    model = LitNet(net_cls)
-    options = dict(logger=False, enable_checkpointing=False)
-    options.update(trainer_kwargs)
-    trainer = L.Trainer(accelerator="cpu", max_epochs=steps, plugins=[plugin], enable_progress_bar=False,
-                        enable_model_summary=False, **options)
-    with quiet_lightning() if quiet else contextlib.nullcontext():
-        trainer.fit(model, ckpt_path=ckpt_path)
-    return model, trainer
-
-
-def _assert_same_weights(got, want):
-    for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
-        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("net_cls, working", [(GainSum, ("O1", 128.0)), (BigGradNet, ("O1", "dynamic"))])
 def test_auto_equals_the_manual_ladders_working_rung(flag_timing, net_cls, working):
     plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
-    auto, trainer = _fit(net_cls, plugin, 24)
+    auto, trainer = fit(net_cls, plugin, 24)
     ladder = plugin.ladder
     assert tuple(ladder.rung) == working and plugin.properties.opt_level == "O1"
     assert ladder.snapshot_step == 0 and 3 * ladder.changes <= ladder.moved_at <= 5 * ladder.changes
-    manual, manual_trainer = _fit(net_cls, AmpPrecision("O1", dtype="float16", loss_scale=working[1]),
+    manual, manual_trainer = fit(net_cls, AmpPrecision("O1", dtype="float16", loss_scale=working[1]),
                                   24 - ladder.moved_at)
-    _assert_same_weights(auto, manual)  # rolled back to the start, then the working rung's own run
+    assert_same_weights(auto, manual)  # rolled back to the start, then the working rung's own run
     last_epoch = [t.lr_scheduler_configs[0].scheduler.state_dict()["last_epoch"] for t in (trainer, manual_trainer)]
     assert last_epoch[0] == last_epoch[1] > 0
 
@@ -49,15 +32,15 @@ def test_the_move_warns_with_rule_step_params_and_rungs(flag_timing):
     with pytest.warns(UserWarning, match=r"ladder: nonfinite_in_a_row: non-finite grads on 3 steps in a row .* at step "
                                          r"\d; rolled back to step 0 and moved from rung 0 \(O2/128.0\) to rung 1 "
                                          r"\(O1/128.0\); non-finite grads last in: .*gain"):
-        _fit(GainSum, plugin, 6, quiet=False)
+        fit(GainSum, plugin, 6, quiet=False)
 
 
 def test_a_run_that_never_diverges_is_plain_o2_bit_for_bit(flag_timing):
     auto_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
-    auto, _ = _fit(lambda: GainSum(gain=1.0), auto_plugin, 8)
-    plain, _ = _fit(lambda: GainSum(gain=1.0), AmpPrecision("O2", dtype="float16", loss_scale=128.0), 8)
+    auto, _ = fit(lambda: GainSum(gain=1.0), auto_plugin, 8)
+    plain, _ = fit(lambda: GainSum(gain=1.0), AmpPrecision("O2", dtype="float16", loss_scale=128.0), 8)
     assert auto_plugin.ladder.changes == 0 and auto_plugin.ladder.snapshots.good.step == 4
-    _assert_same_weights(auto, plain)
+    assert_same_weights(auto, plain)
 
 
 def test_snapshots_on_disk_give_the_in_memory_run_bit_for_bit_and_hold_no_host_memory(tmp_path, flag_timing):
@@ -77,7 +60,7 @@ def test_snapshots_on_disk_give_the_in_memory_run_bit_for_bit_and_hold_no_host_m
     (memory, memory_trainer, memory_ladder), (disk, disk_trainer, disk_ladder) = runs
     assert memory_ladder.changes == disk_ladder.changes == 1 and memory_ladder.snapshot_step > 0
     assert (disk_ladder.moved_at, disk_ladder.snapshot_step) == (memory_ladder.moved_at, memory_ladder.snapshot_step)
-    _assert_same_weights(disk, memory)
+    assert_same_weights(disk, memory)
     for trainer in (memory_trainer, disk_trainer):
         assert trainer.optimizers[0].state_dict()["state"]
     for a, b in zip(*(t.optimizers[0].state_dict()["state"].values() for t in (disk_trainer, memory_trainer))):
@@ -90,7 +73,7 @@ def test_snapshots_on_disk_give_the_in_memory_run_bit_for_bit_and_hold_no_host_m
 
 def test_level_and_rung_changes_are_logged(tmp_path):
     plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
-    _fit(GainSum, plugin, 8, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)
+    fit(GainSum, plugin, 8, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)
     rows = [row for row in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if row.get("amp/level")]
     levels = [float(row["amp/level"]) for row in rows]
     changes = [float(row["amp/rung_changes"]) for row in rows]
@@ -99,9 +82,9 @@ def test_level_and_rung_changes_are_logged(tmp_path):
 
 def test_resume_after_a_move_continues_on_its_rung_and_says_so(tmp_path, flag_timing):
     straight_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
-    straight, _ = _fit(GainSum, straight_plugin, 12)
+    straight, _ = fit(GainSum, straight_plugin, 12)
     first_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
-    _, trainer = _fit(GainSum, first_plugin, 8)
+    _, trainer = fit(GainSum, first_plugin, 8)
     assert first_plugin.ladder.changes == 1
     path = tmp_path / "after-move.ckpt"
     trainer.save_checkpoint(path)
@@ -110,9 +93,9 @@ def test_resume_after_a_move_continues_on_its_rung_and_says_so(tmp_path, flag_ti
     resumed_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
     with pytest.warns(UserWarning, match=r"ladder: resuming on rung 1 \(O1/128.0\), reached at step \d after "
                                          r"nonfinite_in_a_row"):
-        resumed, _ = _fit(GainSum, resumed_plugin, 12, ckpt_path=path, quiet=False)
+        resumed, _ = fit(GainSum, resumed_plugin, 12, ckpt_path=path, quiet=False)
     assert resumed_plugin.properties.opt_level == "O1" and resumed_plugin.loss_scale == 128.0
-    _assert_same_weights(resumed, straight)
+    assert_same_weights(resumed, straight)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -165,8 +148,8 @@ def test_a_loss_spike_on_logged_steps_moves_the_run(flag_timing, tmp_path, log_m
 def test_dynamic_scaler_keywords_configure_the_dynamic_rung(flag_timing):
     plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES, init_scale=2.0**9, growth_interval=4)
     assert plugin.loss_scale == 128.0  # the first rung's static scale
-    auto, _ = _fit(BigGradNet, plugin, 20)
+    auto, _ = fit(BigGradNet, plugin, 20)
     assert tuple(plugin.ladder.rung) == ("O1", "dynamic") and plugin.scalers[0].growth_interval == 4
-    manual, _ = _fit(BigGradNet, AmpPrecision("O1", dtype="float16", init_scale=2.0**9, growth_interval=4),
+    manual, _ = fit(BigGradNet, AmpPrecision("O1", dtype="float16", init_scale=2.0**9, growth_interval=4),
                      20 - plugin.ladder.moved_at)
-    _assert_same_weights(auto, manual)
+    assert_same_weights(auto, manual)

@@ -1,17 +1,11 @@
 """``opt_level="auto"`` under DDP (2 gloo ranks, real processes): the ranks move together, never one alone."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from test_auto import _fit  # the single-process reference run
-from test_precision_ddp import _run
-
-from _ladder_nets import GainSum
 from lightning_amp import AmpPrecision
-
-SCRIPT = Path(__file__).with_name("auto_ddp_script.py")
+from support.ladder_nets import GainSum, fit
+from support.processes import run_script
+from support.scripts import auto_ddp
 
 
 @pytest.mark.slow
@@ -29,7 +23,7 @@ def test_with_snapshots_on_disk_each_rank_writes_and_restores_its_own_files(tmp_
 
 
 def _run_and_check_the_ranks_moved_together(tmp_path):
-    _run(tmp_path, 2, SCRIPT)
+    run_script("auto_ddp", tmp_path)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert rank1["reason"].startswith("nonfinite_in_a_row")
     assert rank0["reason"] == "a rule fired on another rank"  # rank 0's own rule is off
@@ -39,11 +33,8 @@ def _run_and_check_the_ranks_moved_together(tmp_path):
     for a, b in zip(rank0["params"], rank1["params"]):
         assert torch.equal(a, b)
     # both ranks saw the same batch: the run equals one process on the working rung for the steps after the move
-    sys.path.insert(0, str(SCRIPT.parent))
-    import auto_ddp_script
-
-    manual, _ = _fit(GainSum, AmpPrecision("O1", dtype="float16", loss_scale=128.0),
-                     auto_ddp_script.STEPS - rank0["moved_at"])
+    manual, _ = fit(GainSum, AmpPrecision("O1", dtype="float16", loss_scale=128.0),
+                    auto_ddp.STEPS - rank0["moved_at"])  # the single-process reference run
     for a, b in zip(rank0["params"], manual.parameters()):
         assert torch.equal(a, b.detach())
     return rank0, rank1

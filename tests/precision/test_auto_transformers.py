@@ -8,9 +8,8 @@ import torch
 
 import lightning as L
 
-from test_auto import _assert_same_weights
-from _lightning import quiet_lightning
 from lightning_amp import AmpAutoPlugin, AmpPrecision, LadderRules
+from support.trainer import assert_same_weights, quiet_lightning
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,6 +47,7 @@ def _fit(plugin, steps):
     return model
 
 
+@pytest.mark.slow
 def test_scaled_bert_moves_to_o1_and_equals_the_manual_run(flag_timing):
     plugin = AmpAutoPlugin(dtype="float16", ladder_rules=LadderRules(nonfinite_in_a_row=3, snapshot_every=2))
     auto = _fit(plugin, STEPS)
@@ -56,4 +56,4 @@ def test_scaled_bert_moves_to_o1_and_equals_the_manual_run(flag_timing):
     manual_plugin = AmpPrecision("O1", dtype="float16", loss_scale=128.0)
     manual = _fit(manual_plugin, STEPS - ladder.moved_at)
     assert manual_plugin.skipped_steps == 0  # O1 trains
-    _assert_same_weights(auto, manual)
+    assert_same_weights(auto, manual)

@@ -6,9 +6,6 @@ MixedPrecisionPolicy all-gathers (BatchNorm fp32) while the params, grads and op
 fp32 shards; its checkpoints resume exactly and load into the plain fp32 model; FSDP2 policies that
 contradict O2 are refused before training.
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,24 +17,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_amp import AmpO2Plugin, ops
-from _net import free_port
+from support.processes import free_port, run_script
+from support.scripts import fsdp2
 
-HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
 INF_STEP = 2
 
 
-def _launch(script: str, *args: str) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))  # this checkout's package
-    proc = subprocess.run([sys.executable, str(HERE / script), *args], env=env, capture_output=True, text=True,
-                          timeout=240, cwd=HERE)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-#: how far two implementations of one optimizer may end apart after fsdp2_optim_script.STEPS (20) steps, relative to
+#: how far two implementations of one optimizer may end apart after fsdp2_optim.STEPS (20) steps, relative to
 #: a tensor's largest value: each step each rounds a param about twice (decay, update: u |p| each) and forms an update
 #: no larger than |p| through at most 32 roundings (Adadelta; Adam and SGD 16, tests/optimizers/test_optimizers.py's
 #: FP32_ROUNDINGS), whether or not the CPU fuses a multiply-add; the next grads follow params that differ by that much.
@@ -46,8 +32,9 @@ def _launch(script: str, *args: str) -> None:
 PARAM_RTOL = 2 * 20 * (2 + 32) * 2.0 ** -24
 
 
+@pytest.mark.slow
 def test_fused_optimizers_step_fsdp2_shards_like_torch(tmp_path):
-    _launch("fsdp2_optim_script.py", str(tmp_path))
+    run_script("fsdp2_optim", tmp_path)
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert len(result) == 7
     for name, got in result.items():
@@ -67,17 +54,14 @@ def test_fused_optimizers_step_fsdp2_shards_like_torch(tmp_path):
 
 
 def _single(out_dir: Path, level: str) -> dict:
-    sys.path.insert(0, str(HERE))
-    import fsdp2_script
-
-    fsdp2_script.main(str(out_dir), "single", level, INF_STEP)  # one process, in this one
+    fsdp2.main(str(out_dir), "single", level, INF_STEP)  # one process, in this one
     return torch.load(out_dir / f"{level}.pt")
 
 
 def _launch_levels(tmp_path, layout: str, *levels: str) -> Path:
     out = tmp_path / layout
     out.mkdir()
-    _launch("fsdp2_script.py", str(out), layout, ",".join(levels), str(INF_STEP))
+    run_script("fsdp2", out, layout, ",".join(levels), INF_STEP)
     return out
 
 
@@ -101,6 +85,7 @@ O2_DTYPES = {"params": {torch.float32}, "grads": {torch.float32},  # the fp32 sh
 O2_SINGLE_DTYPES = dict(O2_DTYPES, forward={"bn": torch.float32, "head": torch.float32})
 
 
+@pytest.mark.slow
 def test_o1_and_o2_under_fsdp2_match_one_device_and_skip_when_one_rank_overflows(tmp_path):
     sharded = _launch_levels(tmp_path, "fsdp", "O1", "O2")  # one launch, two fits
     # bf16: losses within 2.5 bf16 ulps (measured O1 1.1e-3, O2 1.3e-3), params (measured 1.6e-2, 1.1e-2)
@@ -111,6 +96,7 @@ def test_o1_and_o2_under_fsdp2_match_one_device_and_skip_when_one_rank_overflows
     assert got["dtypes"] == O2_DTYPES and ref["dtypes"] == O2_SINGLE_DTYPES
 
 
+@pytest.mark.slow
 def test_o3_o0_and_o2_under_fsdp2_with_tensor_parallel_match_one_device(tmp_path):
     sharded = _launch_levels(tmp_path, "fsdp_tp", "O3", "O0", "O2")  # one launch, three fits
     # O3, pure bf16 params: 5 updates rounded to bf16 (measured params 2.8e-2, losses 1.1e-3)
@@ -122,8 +108,9 @@ def test_o3_o0_and_o2_under_fsdp2_with_tensor_parallel_match_one_device(tmp_path
     assert got["dtypes"] == O2_DTYPES
 
 
+@pytest.mark.slow
 def test_o2_under_fsdp2_resumes_exactly_and_its_checkpoint_loads_into_the_plain_fp32_model(tmp_path):
-    _launch("fsdp2_resume_script.py", str(tmp_path))
+    run_script("fsdp2_resume", tmp_path)
     result = torch.load(tmp_path / "resume.pt", weights_only=False)
     straight, first, resumed = result["straight"], result["first"], result["resumed"]
     assert result["sharded"]  # Lightning's distributed checkpoint: each rank wrote its own fp32 shards
@@ -132,10 +119,7 @@ def test_o2_under_fsdp2_resumes_exactly_and_its_checkpoint_loads_into_the_plain_
     assert resumed["losses"] == straight["losses"][3:]
     for name, value in straight["params"].items():
         assert torch.equal(resumed["params"][name], value), name
-    sys.path.insert(0, str(HERE))
-    import fsdp2_script
-
-    plain = fsdp2_script.Net("single")  # fp32, no plugin, no FSDP2
+    plain = fsdp2.Net("single")  # fp32, no plugin, no FSDP2
     plain.load_state_dict(result["consolidated"]["state_dict"], strict=True)
     for name, tensor in plain.state_dict().items():
         assert tensor.dtype in (torch.float32, torch.int64), name
@@ -144,11 +128,8 @@ def test_o2_under_fsdp2_resumes_exactly_and_its_checkpoint_loads_into_the_plain_
 
 
 def _sharded(shard):
-    """fsdp2_script's Net with ``shard(model, mesh)`` as its configure_model."""
-    sys.path.insert(0, str(HERE))
-    import fsdp2_script
-
-    class Sharded(fsdp2_script.Net):
+    """support.scripts.fsdp2's Net with ``shard(model, mesh)`` as its configure_model."""
+    class Sharded(fsdp2.Net):
         def configure_model(self):
             shard(self, self.device_mesh["data_parallel"])
 

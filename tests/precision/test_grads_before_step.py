@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.demos import Transformer
 
-from _lightning import quiet_lightning
-from _flag_timing import LATE_STEPS
 from lightning_amp.amp.gate import LAG_ENV
 from lightning_amp import AmpPrecision, FusedAdam, FusedLAMB, FusedSGD, main_params
+from support.flag_timing import LATE_STEPS
+from support.trainer import quiet_lightning
 
 HALF_RTOL = 0.005  # float16 forward vs fp32, first step from equal weights; measured below 0.0005
 FP32_RTOL = 1e-5

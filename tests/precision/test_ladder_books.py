@@ -9,8 +9,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from _ladder_nets import BigGradNet, GainSum, LitNet
-from _lightning import quiet_lightning
+from support.ladder_nets import BigGradNet, GainSum, LitNet
+from support.trainer import quiet_lightning
 from lightning_amp import AmpAutoPlugin, LadderRules
 
 RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2, max_skip_rate=None, floor_patience=None)

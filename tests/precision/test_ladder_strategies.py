@@ -13,7 +13,7 @@ from lightning.fabric.strategies import ModelParallelStrategy as FabricModelPara
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from _net import free_port
+from support.processes import free_port
 from lightning_amp import AmpAutoPlugin, AmpO2Plugin
 from lightning_amp.fabric import FabricAmpAutoPrecision, FabricAmpO2Precision
 

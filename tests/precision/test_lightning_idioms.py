@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAver
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
-from _lightning import quiet_lightning
 from lightning_amp import AmpPrecision
+from support.trainer import quiet_lightning
 
 LEVELS = {"O1": "bf16-mixed", "O2": "bf16-mixed", "O3": "bf16-true"}
 TOL = 0.1  # |ours - reference| <= TOL * |reference - start| per tensor; measured below 0.03 (bf16, 8 steps)
@@ -263,6 +263,7 @@ def test_swa_checkpoint_holds_the_averaged_weights(level, tmp_path):
     _assert_moved_like(ours, results["reference"][0], start, half_weights=level == "O3")
 
 
+@pytest.mark.slow
 def test_ddp_spawn_hands_back_the_fp32_params():
     """``ddp_spawn`` (2 processes, gloo, the same batches on both ranks): the launching process gets rank
     0's weights back, fp32 and equal to a 1-process O2 run (identical grads average to themselves).

@@ -6,9 +6,9 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
-from _lightning import quiet_lightning
 from lightning_amp import AmpO2Plugin, AmpPrecision
 from lightning_amp.fabric import FabricAmpO1Precision, FabricAmpPrecision
+from support.trainer import quiet_lightning
 
 AMP_METRICS = {"amp/loss_scale", "amp/skipped_steps"}
 

@@ -1,49 +1,27 @@
 """AmpO2Plugin under Trainer(strategy="ddp", devices=2, accelerator="cpu") with gloo, real processes.
 
-(Also: ``find_unused_parameters`` and ``static_graph``, against ``bf16-mixed``; ddp_graph_script.py.)
+(Also: ``find_unused_parameters`` and ``static_graph``, against ``bf16-mixed``; support/scripts/ddp_graph.py.)
 
 Rank 1 alone sees an inf gradient at one step (written after DDP's all-reduce): both ranks must skip
 that step, back the scale off and stay bitwise identical. Gradient accumulation (2 micro-batches)
 happens on the fp32 Parameters, and the grads of the no_sync micro-batch must still be averaged across
 ranks (by DDP itself now): the 2-rank run must match a 1-process run that sees both ranks' samples in each batch.
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import pytest
 import torch
 
-from _net import free_port
+from support.processes import run_script
+from support.scripts import ddp_graph, precision_ddp
 
-SCRIPT = Path(__file__).with_name("precision_ddp_script.py")
-GRAPH_SCRIPT = Path(__file__).with_name("ddp_graph_script.py")
-
-
-def _run(out_dir: Path, devices: int, script: Path = SCRIPT) -> None:
-    env = dict(os.environ)
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env["MASTER_ADDR"] = "127.0.0.1"
-    # the ranks import this checkout's lightning_amp, not whichever one the environment has installed
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2])] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["MASTER_PORT"] = str(free_port())
-    proc = subprocess.run(
-        [sys.executable, str(script), str(out_dir)] + ([str(devices)] if script == SCRIPT else []),
-        env=env, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+pytestmark = pytest.mark.slow  # each test starts 2 ranks (11-12 s measured, benchmarks/RESULTS.md)
 
 
 def test_ddp_inf_on_one_rank_skips_everywhere_and_accumulates_in_fp32(tmp_path, flag_timing):
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
     ddp_dir.mkdir()
     single_dir.mkdir()
-    _run(ddp_dir, 2)
-    sys.path.insert(0, str(SCRIPT.parent))
-    import precision_ddp_script
-
-    precision_ddp_script.main(str(single_dir), 1)  # the 1-process reference runs in this process
+    run_script("precision_ddp", ddp_dir, 2)
+    precision_ddp.main(str(single_dir), 1)  # the 1-process reference runs in this process
     rank0 = torch.load(ddp_dir / "rank0.pt")
     rank1 = torch.load(ddp_dir / "rank1.pt")
     single = torch.load(single_dir / "rank0.pt")
@@ -64,7 +42,7 @@ def test_o2_trains_like_bf16_mixed_under_ddp_with_unused_parameters_and_a_static
     """``find_unused_parameters=True`` and ``static_graph=True``: DDP's hooks fire on O2's fp32
     Parameters (autocast's casts keep them in the graph), an unused branch gets no grad and stays put,
     both ranks hold the same weights, and O2's losses and weights follow bf16-mixed's."""
-    _run(tmp_path, 2, GRAPH_SCRIPT)
+    run_script("ddp_graph", tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for graph in ("find_unused_parameters", "static_graph"):
         o2, mixed = ranks[0][(graph, "O2")], ranks[0][(graph, "bf16-mixed")]
@@ -80,7 +58,4 @@ def test_o2_trains_like_bf16_mixed_under_ddp_with_unused_parameters_and_a_static
 
 
 def _branchy_start():
-    sys.path.insert(0, str(GRAPH_SCRIPT.parent))
-    import ddp_graph_script
-
-    return [p.detach() for p in ddp_graph_script.Branchy().body.parameters()]
+    return [p.detach() for p in ddp_graph.Branchy().body.parameters()]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from _lightning import quiet_lightning
 from lightning_amp import AmpO2Plugin, AmpPrecision, main_params
+from support.trainer import quiet_lightning
 
 N = 4  # steps per half: one epoch of 4 batches
 # Halves are whole epochs (max_epochs): Lightning restarts a plain DataLoader from its first batch on

@@ -15,11 +15,11 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
 from torch.nn.modules import module as torch_module
 from torch.utils.checkpoint import checkpoint
 
-from _lightning import quiet_lightning
 from lightning_amp import AmpPrecision, register_float_function
 from lightning_amp.amp import casts, function_backward, o2_policy, process_state
 from lightning_amp.amp.process_state import ProcessChange
 from lightning_amp.amp.runtime import AmpRuntime
+from support.trainer import quiet_lightning
 
 LEVELS = ("O1", "O2", "O3")
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from _lightning import quiet_lightning
 from lightning_amp import AmpPrecision
+from support.trainer import quiet_lightning
 
 INIT_SCALE = 2.0 ** 8  # for every scaler here: BoringModel's float16 grads overflow at 2**16 in some draws
 SCALED = {  # our plugin arguments whose loss is scaled: GradScaler.step's call

@@ -27,9 +27,9 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from _lightning import LossRecorder, quiet_lightning
 from lightning_amp import AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, main_params
 from lightning_amp.amp import o2_policy
+from support.trainer import LossRecorder, quiet_lightning
 
 try:
     import transformers

@@ -1,8 +1,8 @@
-"""Standalone run for tests/precision/test_fsdp2.py (not a test module itself): O2 checkpoints under FSDP2.
+"""Standalone run for tests/precision/test_fsdp2.py: O2 checkpoints under FSDP2.
 
-Usage: python fsdp2_resume_script.py OUT_DIR
+Usage: python -m support.scripts.fsdp2_resume OUT_DIR
 
-On 2 ranks (``fsdp`` layout of fsdp2_script, O2 bf16, dynamic scale, rank 1 overflows at step 2),
+On 2 ranks (``fsdp`` layout of :mod:`support.scripts.fsdp2`, O2 bf16, dynamic scale, rank 1 overflows at step 2),
 epochs of one global batch (Lightning restarts a plain DataLoader from its first batch on resume, so
 any other epoch length would feed the resumed run different batches):
 
@@ -21,15 +21,15 @@ import sys
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import fsdp2_script
+from support.scripts import fsdp2
 
 INF_STEP, EPOCH = 2, 1
 
 
 def run(steps: int, ckpt_path=None):
-    trainer, model, plugin = fsdp2_script.fit("fsdp", "O2", INF_STEP, steps=steps, batches=EPOCH, ckpt_path=ckpt_path)
-    losses = fsdp2_script._global_mean(torch.stack(model.losses)).tolist()
-    return trainer, {"params": fsdp2_script.full_params(model), "scale": plugin.loss_scale,
+    trainer, model, plugin = fsdp2.fit("fsdp", "O2", INF_STEP, steps=steps, batches=EPOCH, ckpt_path=ckpt_path)
+    losses = fsdp2._global_mean(torch.stack(model.losses)).tolist()
+    return trainer, {"params": fsdp2.full_params(model), "scale": plugin.loss_scale,
                      "skipped": plugin.skipped_steps, "losses": losses}
 
 

@@ -1,6 +1,6 @@
-"""Standalone run for tests/ops/test_ops_dtensor.py (not a test module itself): dtensor_checks on 2 gloo CPU ranks.
+"""Standalone run for tests/ops/test_ops_dtensor.py: :mod:`support.dtensor_checks` on 2 gloo CPU ranks.
 
-Usage: python dtensor_script.py OUT_DIR   (starts 2 processes itself; each writes OUT_DIR/rank<N>.txt, the names
+Usage: python -m support.scripts.dtensor OUT_DIR   (starts 2 processes itself; each writes OUT_DIR/rank<N>.txt, the names
 of the checks that passed on it, or the traceback)
 """
 import os
@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    import dtensor_checks
+    from support import dtensor_checks
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -31,9 +31,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, here)
-    sys.path.insert(0, os.path.dirname(here))  # tests/, where _net.py is
-    from _net import free_port  # noqa: E402
+    from support.processes import free_port
 
     mp.start_processes(_worker, args=(free_port(), sys.argv[1]), nprocs=2, start_method="spawn")

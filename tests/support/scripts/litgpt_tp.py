@@ -1,5 +1,5 @@
 """litgpt's ``GPT`` trained with Fabric: tiny pythia-, llama- (GQA) and gemma-like (MQA) configs, the loop shared by
-tests/parallel/test_litgpt_tp.py (one process) and its 2 ranks (``python litgpt_tp.py OUT RUNS_JSON``, started as
+tests/parallel/test_litgpt_tp.py (one process) and its 2 ranks (``python -m support.scripts.litgpt_tp OUT RUNS_JSON``, started as
 torchrun would: LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment, so Fabric launches nothing itself;
 one Fabric per run, the process group reused). Each result is saved as ``OUT/<name>.rank<r>.pt``."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Standalone run for tests/precision/test_precision_ddp.py (not a test module itself).
+"""Standalone run for tests/precision/test_precision_ddp.py.
 
-Usage: python ddp_graph_script.py OUT_DIR
+Usage: python -m support.scripts.ddp_graph OUT_DIR
 
 Under ``DDPStrategy(find_unused_parameters=True)`` and ``DDPStrategy(static_graph=True)`` (2 gloo ranks,
 each its own half of the data), trains a model with a branch its forward never uses, under Lightning's

@@ -1,6 +1,6 @@
-"""Standalone run for tests/precision/test_auto_ddp.py (not a test module itself).
+"""Standalone run for tests/precision/test_auto_ddp.py.
 
-Usage: python auto_ddp_script.py OUT_DIR
+Usage: python -m support.scripts.auto_ddp OUT_DIR
 ``AmpAutoPlugin(dtype="float16")`` under ``Trainer(strategy="ddp", devices=2)`` (gloo) on GainSum, every rank
 the same full batch. Only the last rank has the ``nonfinite_in_a_row`` rule; rank 0 has it off, so it moves only
 because the ranks agree on the verdict. Each rank saves its rung, moves, steps and params to OUT_DIR/rank{r}.pt. With ``AUTO_DDP_SNAPSHOT_DIR`` set,
@@ -13,10 +13,8 @@ import warnings
 import lightning as L
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _ladder_nets import GainSum, LitNet  # noqa: E402
-
-from lightning_amp import AmpAutoPlugin, LadderRules  # noqa: E402
+from lightning_amp import AmpAutoPlugin, LadderRules
+from support.ladder_nets import GainSum, LitNet
 
 STEPS = 14
 

@@ -1,6 +1,6 @@
-"""Standalone run for tests/precision/test_precision_ddp.py (not a test module itself).
+"""Standalone run for tests/precision/test_precision_ddp.py.
 
-Usage: python precision_ddp_script.py OUT_DIR DEVICES
+Usage: python -m support.scripts.precision_ddp OUT_DIR DEVICES
 Trains a tiny model under AmpO2Plugin(float16) with accumulate_grad_batches=2. With 2 devices
 (strategy="ddp", gloo) rank 1 alone writes inf into one gradient at optimizer step INF_STEP; with
 1 device the same step gets the inf, and the batch holds both ranks' samples. Each rank saves its

@@ -1,5 +1,5 @@
 """The LightningModule of tests/precision/test_after_fit.py, in its own module so a process that never imports
-lightning_amp (or the test) can unpickle it."""
+lightning_amp (or the test) can unpickle it (with ``tests/`` on its ``sys.path``)."""
 import lightning as L
 import torch
 import torchmetrics

@@ -3,7 +3,7 @@
 ``-1`` heads and ``repeat_kv``; ``FeedForward`` ``w1``/``w3`` -> ``w2``; ``RMSNorm``; complex rotary embeddings
 (``freqs_cis``). ``MetaAttention`` is the variant of Meta's ``llama/model.py``, whose forward reshapes with the
 per-rank counts it keeps as attributes (``n_local_heads``, ``n_local_kv_heads``) and computes the scores with
-``matmul`` and ``softmax``. Nothing here knows about lightning-amp; tests/parallel/renamed.py renames the
+``matmul`` and ``softmax``. Nothing here knows about lightning-amp; :mod:`support.renamed` renames the
 attributes of these classes to arbitrary names."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Standalone run for tests/precision/test_fsdp2.py (not a test module itself).
+"""Standalone run for tests/precision/test_fsdp2.py.
 
-Usage: python fsdp2_script.py OUT_DIR LAYOUT PRECISION[,PRECISION...] [INF_STEP]
+Usage: python -m support.scripts.fsdp2 OUT_DIR LAYOUT PRECISION[,PRECISION...] [INF_STEP]
 
 LAYOUT: ``fsdp`` (Lightning ``ModelParallelStrategy``, FSDP2 ``fully_shard`` over 2 data-parallel
 ranks), ``fsdp_tp`` (``parallelize_module`` over 2 tensor-parallel ranks, then ``fully_shard``) or

@@ -1,6 +1,6 @@
-"""Standalone run for tests/precision/test_fsdp2.py (not a test module itself): fused optimizers on FSDP2 params.
+"""Standalone run for tests/precision/test_fsdp2.py: fused optimizers on FSDP2 params.
 
-Usage: python fsdp2_optim_script.py OUT_DIR   (starts 2 gloo processes on CPU itself)
+Usage: python -m support.scripts.fsdp2_optim OUT_DIR   (starts 2 gloo processes on CPU itself)
 
 Every pair below trains two copies of one model, both sharded by FSDP2's ``fully_shard`` over 2
 ranks, on the same data for STEPS steps: ours and torch's optimizer (FusedLAMB, which torch lacks,
@@ -163,7 +163,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, where _net.py is
-    from _net import free_port  # noqa: E402
+    from support.processes import free_port
 
     mp.start_processes(_worker, args=(free_port(), sys.argv[1]), nprocs=2, start_method="spawn")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "examples"))
 import fabric_tiny_gpt as gpt  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""Checks of the multi-tensor operators on DTensors (not a test module: run by test_ops_dtensor.py on a
-1-rank mesh in the test's process and on 2 gloo ranks by ``dtensor_script.py``).
+"""Checks of the multi-tensor operators on DTensors, run by tests/ops/test_ops_dtensor.py on a 1-rank mesh in the
+test's process and on 2 gloo ranks by :mod:`support.scripts.dtensor`.
 
 Each check draws fresh random full tensors (the same on every rank), shards them ``Shard(0)`` over the
 mesh (uneven: 5 rows, and 1 row, which leaves rank 1 an empty shard), calls the op with the DTensors

@@ -5,6 +5,7 @@ import warnings
 from typing import Iterator, List
 
 import lightning as L
+import torch
 
 
 @contextlib.contextmanager
@@ -24,3 +25,9 @@ class LossRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+
+
+def assert_same_weights(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    """Every entry of ``got``'s state dict equals ``want``'s, in order, bit for bit."""
+    for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
+        assert torch.equal(a, b), name

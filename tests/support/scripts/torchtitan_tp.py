@@ -1,7 +1,7 @@
-"""The torchtitan-style Llama (tests/parallel/torchtitan_llama.py) trained with Fabric, the loop shared by
-tests/parallel/test_torchtitan_tp.py (one process) and its ranks (``python torchtitan_tp.py OUT RUNS_JSON``, started
+"""The torchtitan-style Llama (:mod:`support.torchtitan_llama`) trained with Fabric, the loop shared by
+tests/parallel/test_torchtitan_tp.py (one process) and its ranks (``python -m support.scripts.torchtitan_tp OUT RUNS_JSON``, started
 as torchrun would; one Fabric per run, the process group reused). Each result is saved as ``OUT/<name>.rank<r>.pt``.
-A run of the name ``litgpt:<config>`` runs tests/parallel/litgpt_tp.py's loop instead."""
+A run of the name ``litgpt:<config>`` runs :mod:`support.scripts.litgpt_tp`'s loop instead."""
 from __future__ import annotations
 
 import json
@@ -15,9 +15,9 @@ import lightning_utilities.core.rank_zero as rank_zero_module
 import torch
 import torch.nn.functional as F
 
-import torchtitan_llama as tt
 from lightning_amp.fabric import FabricAmpPrecision, TensorParallelStrategy
-from renamed import rename_instances
+from support import torchtitan_llama as tt
+from support.renamed import rename_instances
 
 VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 3
 #: name -> (n_heads, n_kv_heads, Meta's attention, attributes renamed)
@@ -69,7 +69,7 @@ def train(name: str, devices: int = 1, precision: str = "32-true") -> dict:
     text logged in this process), and the gathered weights loaded back into the TP model and gathered again.
     ``precision``: Fabric's, or "O2" (lightning-amp's, bf16)."""
     if name.startswith("litgpt:"):
-        import litgpt_tp
+        from support.scripts import litgpt_tp
 
         return litgpt_tp.train(name.split(":", 1)[1], devices=devices)
     reports = _Reports()

@@ -8,11 +8,15 @@
 
 Every batch is the same full batch (:func:`full_batch`), so a run rolled back to its start and continued for
 ``n`` steps equals a run of ``n`` steps on the rung it moved to, bit for bit. :class:`LitNet` trains one of
-them under the Trainer.
+them under the Trainer, :func:`fit` runs it.
 """
+import contextlib
+
 import lightning as L
 import torch
 from torch import nn
+
+from support.trainer import quiet_lightning
 
 
 class GainSum(nn.Module):
@@ -69,3 +73,16 @@ class LitNet(L.LightningModule):
 
     def train_dataloader(self):  # every step sees the same batch
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*full_batch()), batch_size=32)
+
+
+def fit(net_cls, plugin, steps, ckpt_path=None, quiet=True, **trainer_kwargs):
+    """(model, trainer): a :class:`LitNet` of ``net_cls`` fitted on the CPU under ``plugin`` for ``steps`` epochs of
+    one step (no logger or checkpoints unless ``trainer_kwargs`` say so), Lightning quiet unless ``quiet`` is off."""
+    model = LitNet(net_cls)
+    options = dict(logger=False, enable_checkpointing=False)
+    options.update(trainer_kwargs)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=steps, plugins=[plugin], enable_progress_bar=False,
+                        enable_model_summary=False, **options)
+    with quiet_lightning() if quiet else contextlib.nullcontext():
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return model, trainer
