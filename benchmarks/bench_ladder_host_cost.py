@@ -2,7 +2,7 @@
 compute is negligible: the step path of ``bench_host_cost.py`` (101 ``Linear(32, 32)``, batch 8, 1 CPU thread,
 float16, torch AdamW stepped by the fused kernels).
 
-Columns: ``AmpPrecision("O2", loss_scale=128.0)`` (the fp16 ladder's first rung), ``AmpAutoPlugin`` with the
+Columns: ``AmpPrecision("O2", loss_scale=128.0)`` (the fp16 ladder's first rung), ``AmpAutoPrecision`` with the
 default rules (a snapshot every 100 steps), and with a snapshot every step (the cost of one snapshot: the
 difference). Runs are interleaved round after round; the median step (training thread's CPU time, or wall
 time with ``--clock wall``) is printed with its ratio to the plain rung::
@@ -27,12 +27,12 @@ import lightning as L
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_host_cost import BATCH, CLOCKS, LAYERS, WIDTH, _Deep, _Timer  # noqa: E402
 
-from lightning_amp import AmpAutoPlugin, AmpPrecision, LadderRules  # noqa: E402
+from lightning_amp import AmpAutoPrecision, AmpPrecision, LadderRules  # noqa: E402
 
 CONFIGS = {
     "O2/128": lambda: AmpPrecision("O2", dtype="float16", loss_scale=128.0),
-    "auto": lambda: AmpAutoPlugin(dtype="float16"),
-    "auto, snapshot every step": lambda: AmpAutoPlugin(dtype="float16", ladder_rules=LadderRules(snapshot_every=1)),
+    "auto": lambda: AmpAutoPrecision(dtype="float16"),
+    "auto, snapshot every step": lambda: AmpAutoPrecision(dtype="float16", ladder_rules=LadderRules(snapshot_every=1)),
 }
 
 

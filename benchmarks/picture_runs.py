@@ -173,14 +173,14 @@ def ladder_run() -> dict:
     the plugin's state after the run; ``warnings``: the ladder's."""
     import torch
 
-    from lightning_amp import AmpAutoPlugin, LadderRules
+    from lightning_amp import AmpAutoPrecision, LadderRules
 
     c = LADDER
     gen = torch.Generator().manual_seed(c["data_seed"])
     n = c["steps"] * c["batch"]
     data = torch.utils.data.TensorDataset(torch.rand(n, 16, generator=gen) + 1.0, torch.rand(n, 1, generator=gen))
     rules = LadderRules(nonfinite_in_a_row=c["nonfinite_in_a_row"], snapshot_every=c["snapshot_every"])
-    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=rules)
+    plugin = AmpAutoPrecision(dtype="float16", ladder_rules=rules)
     rows, messages = _fit(_lightning_classes().GainSum(), plugin, data, c["steps"], c["batch"])
     ladder = plugin.ladder
     return {"config": c, "rows": rows, "rungs": [str(r) for r in ladder.rungs],
@@ -197,7 +197,7 @@ def scale_run() -> dict:
     (growth and back-off factors, growth interval, hysteresis, floor and ceiling)."""
     import torch
 
-    from lightning_amp import AmpO2Plugin
+    from lightning_amp import AmpO2Precision
 
     c = SCALE
     gen = torch.Generator().manual_seed(c["data_seed"])
@@ -206,7 +206,7 @@ def scale_run() -> dict:
     big = [step for step in range(1, c["steps"] + 1) if step % c["big_every"] == 0]
     for step in big:  # the batch of optimizer step `step`
         x[(step - 1) * c["batch"]:step * c["batch"]] *= c["big_factor"]
-    plugin = AmpO2Plugin(dtype="float16", loss_scale="dynamic", init_scale=c["init_scale"],
+    plugin = AmpO2Precision(dtype="float16", loss_scale="dynamic", init_scale=c["init_scale"],
                          growth_interval=c["growth_interval"])
     data = torch.utils.data.TensorDataset(x, y)
     rows, _ = _fit(_lightning_classes().SmallMLP(), plugin, data, c["steps"], c["batch"])

@@ -57,15 +57,15 @@ def precision_plugins(opt_level: str, dtype: str = "auto") -> list:
     """The Trainer ``plugins`` list for an opt level: ``[]`` for ``fp32``, else one lightning-amp plugin.
 
     >>> precision_plugins("O2", "bfloat16")      # doctest: +SKIP
-    [AmpO2Plugin(...)]
+    [AmpO2Precision(...)]
     """
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"opt_level must be one of {OPT_LEVELS}, got {opt_level!r}")
     if opt_level == "fp32":
         return []
-    from lightning_amp import AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin
+    from lightning_amp import AmpO0Precision, AmpO1Precision, AmpO2Precision, AmpO3Precision
 
-    plugin_class = {"O0": AmpO0Plugin, "O1": AmpO1Plugin, "O2": AmpO2Plugin, "O3": AmpO3Plugin}[opt_level]
+    plugin_class = {"O0": AmpO0Precision, "O1": AmpO1Precision, "O2": AmpO2Precision, "O3": AmpO3Precision}[opt_level]
     return [plugin_class(dtype=dtype)]
 
 

@@ -144,19 +144,17 @@ class SteadyWindow(L.Callback):
 def use_forward(forward: str) -> None:
     """Make the O2 plugins built in this process default to ``norm_policy=forward`` (one of
     :data:`FORWARDS`; for the rest of the process)."""
-    import lightning_amp
     from lightning_amp import precision
 
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
-    shipped = precision.AmpO2Plugin.__init__
+    shipped = precision.AmpO2Precision.__init__
 
     def init(self, **kwargs):
         kwargs.setdefault("norm_policy", forward)
         shipped(self, **kwargs)
 
-    for cls in {precision.AmpO2Plugin, lightning_amp.AmpO2Plugin}:
-        cls.__init__ = init
+    precision.AmpO2Precision.__init__ = init  # the former name, AmpO2Plugin, is a subclass: it inherits this
 
 
 def measure(entry: HeadlineRun, spec) -> dict:

@@ -310,7 +310,7 @@ def check_tp_fused(device: str) -> str:
     """A ``tp_fused`` + O2 (bf16) run of a few steps on one device."""
     import torch.distributed as dist
 
-    from lightning_amp import AmpO2Plugin
+    from lightning_amp import AmpO2Precision
 
     _quiet()
     with socket.socket() as s:
@@ -318,7 +318,7 @@ def check_tp_fused(device: str) -> str:
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     module, data = _demo_transformer_module()
     try:
-        trainer, losses = _fit(device, module, data, AmpO2Plugin(dtype="bfloat16"), strategy="tp_fused")
+        trainer, losses = _fit(device, module, data, AmpO2Precision(dtype="bfloat16"), strategy="tp_fused")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_amp import AmpO2Plugin, main_params
+from lightning_amp import AmpO2Precision, main_params
 from lightning_amp.amp import o2_policy
 from lightning_amp.amp.casts import active_cast
 from lightning_amp.amp.forward import forward_context
@@ -101,7 +101,7 @@ def test_o2_trains_a_model_that_makes_fp32_tensors_in_forward_as_lightnings_prec
     _, fp32 = _fit(MadeInForward(), precision="32-true")
     _, mixed = _fit(MadeInForward(), precision="bf16-mixed")
     model = MadeInForward()
-    trainer, losses = _fit(model, plugins=[AmpO2Plugin(dtype=dtype, init_scale=2.0**8)])
+    trainer, losses = _fit(model, plugins=[AmpO2Precision(dtype=dtype, init_scale=2.0**8)])
     assert fp32[0] - fp32[-1] > 0.5
     for reference in (fp32, mixed):
         assert max(abs(a - b) for a, b in zip(losses, reference)) < 0.01, (losses, reference)

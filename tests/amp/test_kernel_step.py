@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_amp import AmpO1Plugin, AmpRuntime, FusedAdam
+from lightning_amp import AmpO1Precision, AmpRuntime, FusedAdam
 from lightning_amp.amp.kernel_step import KernelStep, supports
 
 CASES = {
@@ -212,7 +212,7 @@ def _fit_recorded(how, precision, monkeypatch):
 @pytest.mark.parametrize("how", ["class", "instance", "pre_hook"])
 def test_patched_or_hooked_step_runs_with_its_closure_as_under_bf16_mixed(how, monkeypatch):
     ref_calls, ref_params = _fit_recorded(how, "bf16-mixed", monkeypatch)
-    calls, params = _fit_recorded(how, AmpO1Plugin(dtype="bfloat16"), monkeypatch)  # fused_update: the default
+    calls, params = _fit_recorded(how, AmpO1Precision(dtype="bfloat16"), monkeypatch)  # fused_update: the default
     assert len(ref_calls) == len(calls) == 4
     assert all(callable(c) for c in ref_calls + calls)  # Lightning's closure, and ours (already run)
     for p, r in zip(params, ref_params):

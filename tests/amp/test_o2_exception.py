@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_amp import AmpO2Plugin
+from lightning_amp import AmpO2Precision
 from lightning_amp.amp import o2_policy
 from lightning_amp.amp.runtime import AmpRuntime
 from lightning_amp.fabric import FabricAmpO2Precision
@@ -87,7 +87,7 @@ class FailingStep(L.LightningModule):
 def test_trainer_training_step():
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False,
-                        plugins=[AmpO2Plugin(dtype="bfloat16")])
+                        plugins=[AmpO2Precision(dtype="bfloat16")])
     with quiet_lightning(), pytest.raises(RuntimeError, match="inside the O2 forward"):
         trainer.fit(FailingStep(), torch.utils.data.DataLoader(torch.randn(4, 8), batch_size=2))
     assert o2_policy.installs() == 0  # the failed run's teardown released the policy

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
-from lightning_amp import AmpO2Plugin
+from lightning_amp import AmpO2Precision
 from lightning_amp.amp import o2_policy
 from support.trainer import LossRecorder, quiet_lightning
 
@@ -31,7 +31,7 @@ def _quiet():
 
 
 def _precision(name):
-    return {"plugins": [AmpO2Plugin(dtype="bfloat16")]} if name == "O2" else {"precision": name}
+    return {"plugins": [AmpO2Precision(dtype="bfloat16")]} if name == "O2" else {"precision": name}
 
 
 def _fit(model, precision, batches, steps=4, callbacks=(), validate=False, **trainer_kwargs):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_amp import AmpO3Plugin
+from lightning_amp import AmpO3Precision
 from lightning_amp.amp.engine import AmpEngine
 from lightning_amp.amp.scaler import LossScaler
 from lightning_amp.fabric import FabricAmpO3Precision
@@ -76,7 +76,7 @@ class HalfLossNet(L.LightningModule):
 
 
 def test_trainer_o3_float16_grads_divided_by_the_reported_scale_are_the_true_grads():
-    model, plugin = HalfLossNet(), AmpO3Plugin(dtype="float16", loss_scale="dynamic", growth_interval=1)
+    model, plugin = HalfLossNet(), AmpO3Precision(dtype="float16", loss_scale="dynamic", growth_interval=1)
     trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, plugins=[plugin])
     x, y = (torch.cat(t) for t in zip(*_batches(3)))

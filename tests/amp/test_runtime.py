@@ -55,7 +55,7 @@ def test_bad_options_name_the_argument():
 
 def test_each_plugin_holds_a_runtime_on_lightnings_own_precision_classes():
     assert lightning_amp.AmpRuntime is AmpRuntime
-    trainer, fabric = lightning_amp.AmpO2Plugin(), amp_fabric.FabricAmpO2Precision()
+    trainer, fabric = lightning_amp.AmpO2Precision(), amp_fabric.FabricAmpO2Precision()
     assert isinstance(trainer.amp, AmpRuntime) and isinstance(fabric.amp, AmpRuntime)
     assert isinstance(trainer, TrainerPrecision)
     assert isinstance(fabric, FabricPrecision) and not isinstance(fabric, TrainerPrecision)

@@ -64,12 +64,12 @@ def test_bench_dtype_takes_every_name_the_plugins_take(name):
 
 def test_the_command_imports_the_rest_when_it_runs():
     """In the command the package's names import on first use: ``info`` (torch, the compiled core) and the public
-    names read through the package (``lightning_amp.AmpO2Plugin``, ``from lightning_amp import *``) work there."""
+    names read through the package (``lightning_amp.AmpO2Precision``, ``from lightning_amp import *``) work there."""
     result = subprocess.run([sys.executable, "-m", "lightning_amp.cli", "info"], capture_output=True, text=True,
                             timeout=300, cwd=ROOT)
     assert result.returncode == 0 and "compiled extension:" in result.stdout, result.stderr[-2000:]
     probe = ("import sys; sys.orig_argv = ['python', '-m', 'lightning_amp.cli']; import lightning_amp; "
-             "assert 'torch' not in sys.modules; print(lightning_amp.AmpO2Plugin.__name__); "
+             "assert 'torch' not in sys.modules; print(lightning_amp.AmpO2Precision.__name__); "
              "from lightning_amp import *; print(LadderRules.__name__)")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0 and result.stdout.split() == ["AmpO2Precision", "LadderRules"], result.stderr[-2000:]

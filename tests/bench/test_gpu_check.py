@@ -682,11 +682,11 @@ def test_the_o2_forward_bench_switches_o2s_norm_policy(monkeypatch):
     from lightning_amp import precision
     from lightning_amp.bench.gpu_headline import use_forward
 
-    monkeypatch.setattr(precision.AmpO2Plugin, "__init__", precision.AmpO2Plugin.__init__)  # restored after the test
-    assert lightning_amp.AmpO2Plugin().properties.norm_policy == "half"  # the shipped forward
+    monkeypatch.setattr(precision.AmpO2Precision, "__init__", precision.AmpO2Precision.__init__)  # restored after the test
+    assert lightning_amp.AmpO2Precision().properties.norm_policy == "half"  # the shipped forward
     use_forward("fp32")
-    assert lightning_amp.AmpO2Plugin().properties.norm_policy == "fp32"
-    assert lightning_amp.AmpO2Plugin(norm_policy="half").properties.norm_policy == "half"  # an explicit choice stays
+    assert lightning_amp.AmpO2Precision().properties.norm_policy == "fp32"
+    assert lightning_amp.AmpO2Precision(norm_policy="half").properties.norm_policy == "half"  # an explicit choice stays
     with pytest.raises(ValueError, match="forward must be one of"):
         use_forward("cast")
 

@@ -61,13 +61,13 @@ def test_a_fit_that_never_settles_runs_to_its_cap_and_says_so():
 def test_the_o2_run_with_torchs_lists_reports_its_forward_and_tokens(monkeypatch):
     from lightning_amp import precision
 
-    monkeypatch.setattr(precision.AmpO2Plugin, "__init__", precision.AmpO2Plugin.__init__)  # use_forward patches it
+    monkeypatch.setattr(precision.AmpO2Precision, "__init__", precision.AmpO2Precision.__init__)  # use_forward patches it
     spec = RunSpec(model="bert", level="O2", size="tiny", steps=30, warmup=0, accelerator="cpu", threads=1,
                    optimizer="fused-adam")
     record = measure(HeadlineRun("O2", "fused-adam", o2_forward="fp32", min_steps=8), spec)
     assert record["o2_forward"] == "fp32" and record["optimizer"] == "FusedAdam"
     assert 8 <= record["steps"] <= 30 and record["precision_plugin"] == "AmpO2Precision"
-    assert precision.AmpO2Plugin().properties.norm_policy == "fp32"  # the runs' plugins took torch's lists
+    assert precision.AmpO2Precision().properties.norm_policy == "fp32"  # the runs' plugins took torch's lists
     tokens = record["batch_size"] * gpu_headline.seq_len("tiny")
     assert record["tokens_per_s"] == pytest.approx(1000.0 * tokens / record["step_time_ms"])
     assert math.isfinite(record["final_loss"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_amp import AmpO2Plugin
+from lightning_amp import AmpO2Precision
 from lightning_amp.fabric import FabricAmpO2Precision, FabricAmpPrecision
 from support.processes import free_port
 
@@ -117,8 +117,8 @@ def test_two_processes_match_one_and_skip_together(tmp_path):
 def test_trainer_plugin_in_fabric_is_refused_at_construction_naming_the_fabric_class():
     """A Trainer plugin is a Fabric ``Precision`` too (Lightning's Trainer ``Precision`` derives from Fabric's):
     Fabric refuses it when it is built (lightning_amp/plugin_kinds.py), naming the Fabric class."""
-    for plugins in ([AmpO2Plugin()], AmpO2Plugin()):
-        with pytest.raises(TypeError, match=r"^AmpO2Plugin is a Lightning Trainer plugin; L\.Fabric takes "
+    for plugins in ([AmpO2Precision()], AmpO2Precision()):
+        with pytest.raises(TypeError, match=r"^AmpO2Precision is a Lightning Trainer plugin; L\.Fabric takes "
                                             r"lightning_amp\.fabric\.FabricAmpO2Precision, with the same options"):
             L.Fabric(accelerator="cpu", devices=1, plugins=plugins)
     assert isinstance(L.Fabric(accelerator="cpu", devices=1, plugins=[FabricAmpO2Precision()])._precision,
@@ -128,8 +128,8 @@ def test_trainer_plugin_in_fabric_is_refused_at_construction_naming_the_fabric_c
 def test_trainer_plugin_given_a_module_without_a_trainer_names_the_fabric_class():
     """Handed a module anyway (called directly), it names the Fabric plugin before anything is cast."""
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(TypeError, match=r"AmpO2Plugin is a Lightning Trainer plugin.*lightning_amp\.fabric\.FabricAmpO2Precision"):
-        AmpO2Plugin().convert_module(model)
+    with pytest.raises(TypeError, match=r"AmpO2Precision is a Lightning Trainer plugin.*lightning_amp\.fabric\.FabricAmpO2Precision"):
+        AmpO2Precision().convert_module(model)
     assert model.weight.dtype == torch.float32
 
 
@@ -143,7 +143,7 @@ def test_fabric_plugin_in_trainer_is_refused_at_construction():
             L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, **arguments)
     assert model.layer.weight.dtype == torch.float32
-    assert isinstance(L.Trainer(accelerator="cpu", logger=False, plugins=[AmpO2Plugin()]).precision_plugin, AmpO2Plugin)
+    assert isinstance(L.Trainer(accelerator="cpu", logger=False, plugins=[AmpO2Precision()]).precision_plugin, AmpO2Precision)
 
 
 def test_fabric_plugin_given_a_trainer_module_names_the_trainer_class():
@@ -168,4 +168,4 @@ def test_fsdp1_in_fabric_refuses_our_plugins_naming_them():
 @_NEEDS_GPU
 def test_fsdp1_in_trainer_refuses_our_plugins_naming_them():
     with pytest.raises(TypeError, match=r"FSDPPrecision.*AmpO2Precision\(opt_level='O2', dtype=torch\.bfloat16"):
-        L.Trainer(accelerator="cuda", devices=1, strategy="fsdp", plugins=[AmpO2Plugin(dtype="bfloat16")])
+        L.Trainer(accelerator="cuda", devices=1, strategy="fsdp", plugins=[AmpO2Precision(dtype="bfloat16")])

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as TrainerDeepSpeedStrategy
 
 import lightning_amp  # noqa: F401  (registers "tp_fused")
-from lightning_amp import AmpO2Plugin
+from lightning_amp import AmpO2Precision
 from lightning_amp.amp import o2_policy
 from lightning_amp.fabric import FabricAmpO2Precision, TensorParallelStrategy
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
@@ -121,7 +121,7 @@ def test_tp2_matches_one_process_resumes_exactly_and_moves_checkpoints(tmp_path)
 @pytest.mark.parametrize("kwargs, message", [
     (dict(precision="64-true"),
      r"strategy='tp_fused'.*DoublePrecision\(precision='64-true'\).*Use Fabric's precision='32-true'.*AmpPrecision"),
-    (dict(plugins=[AmpO2Plugin()]), r"AmpO2Precision is a Lightning Trainer plugin; L\.Fabric takes .*FabricAmpO2Precision"),
+    (dict(plugins=[AmpO2Precision()]), r"AmpO2Precision is a Lightning Trainer plugin; L\.Fabric takes .*FabricAmpO2Precision"),
 ])
 def test_tp_fused_refuses_other_precision_plugins_when_fabric_is_built(kwargs, message):
     with pytest.raises(TypeError, match=message):
@@ -133,8 +133,8 @@ def test_tp_fused_refuses_other_precision_plugins_when_fabric_is_built(kwargs, m
 def test_trainer_tp_fused_refuses_other_precision_plugins_when_the_trainer_is_built():
     with pytest.raises(TypeError, match=r"strategy='tp_fused'.*DoublePrecision\(precision='64-true'\).*a lightning-amp plugin"):
         L.Trainer(accelerator="cpu", devices=1, strategy="tp_fused", precision="64-true", logger=False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="tp_fused", plugins=[AmpO2Plugin()], logger=False)
-    assert isinstance(trainer.precision_plugin, AmpO2Plugin)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="tp_fused", plugins=[AmpO2Precision()], logger=False)
+    assert isinstance(trainer.precision_plugin, AmpO2Precision)
 
 
 def test_tp_fused_rejects_bad_arguments_by_name():
@@ -182,7 +182,7 @@ def test_deepspeed_with_our_fabric_plugin_is_refused_before_anything_is_cast():
 
 
 def test_deepspeed_with_our_trainer_plugin_is_refused_before_anything_is_cast():
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=_TrainerDeepSpeed(), plugins=[AmpO2Plugin()],
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=_TrainerDeepSpeed(), plugins=[AmpO2Precision()],
                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     model = BoringModel()

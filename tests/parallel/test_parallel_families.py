@@ -225,10 +225,10 @@ def test_families_tp2_match_single_device_checkpoints_and_resume(tmp_path):
 
 
 def _o2_trains(tmp_path, names):
-    from lightning_amp.precision import AmpO2Plugin
+    from lightning_amp.precision import AmpO2Precision
 
     losses, _ = fit(tmp_path / "o2", TensorParallelStrategy(start_method="spawn"), 2, names=names,
-                    plugins=[AmpO2Plugin(dtype="bfloat16")])
+                    plugins=[AmpO2Precision(dtype="bfloat16")])
     assert set(losses) == set(names)
     for name, values in losses.items():
         assert len(values) == STEPS and all(torch.isfinite(torch.tensor(values))), f"{name}: {values}"
@@ -238,7 +238,7 @@ def _o2_trains(tmp_path, names):
 @pytest.mark.slow
 @needs_transformers
 def test_transformers_families_tp2_bf16_o2_train(tmp_path):
-    """TP=2 with AmpO2Plugin(bfloat16): every ``transformers`` family trains (finite losses that fall)."""
+    """TP=2 with AmpO2Precision(bfloat16): every ``transformers`` family trains (finite losses that fall)."""
     _o2_trains(tmp_path, HF)
 
 

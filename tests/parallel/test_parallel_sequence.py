@@ -288,7 +288,7 @@ def test_sequence_parallel_errors_name_the_problem():
 
 
 def _fit_epochs(out_dir, epochs, save_to, ckpt_path=None):
-    from lightning_amp.precision import AmpO2Plugin
+    from lightning_amp.precision import AmpO2Precision
 
     os.environ["MASTER_PORT"] = str(free_port())
     g = torch.Generator().manual_seed(1)
@@ -296,7 +296,7 @@ def _fit_epochs(out_dir, epochs, save_to, ckpt_path=None):
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=TensorParallelStrategy(start_method="spawn"), max_epochs=epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, plugins=[AmpO2Plugin(dtype="bfloat16")],
+        use_distributed_sampler=False, plugins=[AmpO2Precision(dtype="bfloat16")],
     )
     loader = DataLoader(TensorDataset(tokens, tokens.roll(1, dims=1)), batch_size=2)
     trainer.fit(TinyLM(str(out_dir), save_to=str(save_to)), loader, ckpt_path=ckpt_path)

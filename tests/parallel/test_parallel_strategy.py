@@ -133,7 +133,7 @@ class _CountingStrategy(TensorParallelStrategy):
         super().clip_grad_by_norm(optimizer, clip_val)
 
 
-@pytest.mark.parametrize("plugin", [pl.plugins.precision.MixedPrecision("bf16-mixed", "cpu"), lightning_amp.AmpO2Plugin()],
+@pytest.mark.parametrize("plugin", [pl.plugins.precision.MixedPrecision("bf16-mixed", "cpu"), lightning_amp.AmpO2Precision()],
                          ids=["bf16-mixed", "O2"])
 def test_norm_clipping_goes_through_the_strategy_for_the_run_only(plugin):
     os.environ["MASTER_PORT"] = str(free_port())
@@ -221,12 +221,12 @@ def test_tp2_bf16_o2_matches_single_device(tmp_path):
     the params keep their fp32 init, on one element of one Adam-stepped weight; bf16 vs fp32 on one device
     differ by up to 15%). A sharded param that missed or doubled an update would be off by about 100% of
     its movement."""
-    from lightning_amp.precision import AmpO2Plugin
+    from lightning_amp.precision import AmpO2Precision
 
     single, tp2 = tmp_path / "single", tmp_path / "tp2"
     single.mkdir(), tp2.mkdir()
-    ref = fit(single, "auto", 1, plugins=[AmpO2Plugin(dtype="bfloat16")])
-    got = fit(tp2, TensorParallelStrategy(start_method="spawn"), 2, plugins=[AmpO2Plugin(dtype="bfloat16")],
+    ref = fit(single, "auto", 1, plugins=[AmpO2Precision(dtype="bfloat16")])
+    got = fit(tp2, TensorParallelStrategy(start_method="spawn"), 2, plugins=[AmpO2Precision(dtype="bfloat16")],
               use_distributed_sampler=False)
     assert len(ref) == len(got) == 30
     assert ref[-1] < ref[0] - 0.1  # the params were updated

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_amp import AmpO1Plugin, AmpO2Plugin, AmpPrecision, FusedLAMB, main_params
+from lightning_amp import AmpO1Precision, AmpO2Precision, AmpPrecision, FusedLAMB, main_params
 from support.trainer import LossRecorder, quiet_lightning
 
 transformers = pytest.importorskip("transformers")
@@ -282,7 +282,7 @@ def _gan_reference():
 
 
 def test_dcgan_example_at_o1_trains_like_32_true(flag_timing):
-    plugin = AmpO1Plugin(dtype="float16")
+    plugin = AmpO1Precision(dtype="float16")
     model, start, _ = _fit_gan(plugin)
     reference, _, steps = _gan_reference()
     assert plugin.skipped_steps == 0 and plugin.loss_scales == [2.0**16, 2.0**16]
@@ -295,11 +295,11 @@ def test_dcgan_example_overflow_in_d_skips_only_ds_step(flag_timing):
     """One scaler per optimizer (apex: one per loss): an overflow in D's real loss at the first step skips
     D's step and halves D's scale; G steps at its own. The run ends where a run that leaves out D's first
     step on purpose ends."""
-    plugin = AmpO1Plugin(dtype="float16")
+    plugin = AmpO1Precision(dtype="float16")
     model, start, steps = _fit_gan(plugin, overflow_at=0)
     assert plugin.skipped_steps == 1 and plugin.loss_scales == [2.0**15, 2.0**16]
     assert _max_diff(steps["D"].after[0], start["D"]) == 0.0 < _max_diff(steps["G"].after[0], start["G"])
-    skipped_on_purpose, _, _ = _fit_gan(AmpO1Plugin(dtype="float16"), skip_d_at=0)
+    skipped_on_purpose, _, _ = _fit_gan(AmpO1Precision(dtype="float16"), skip_d_at=0)
     errors = _gan_errors(model, skipped_on_purpose, start)
     assert max(errors.values()) <= GAN_SKIP_TOL, errors
 
@@ -378,7 +378,7 @@ def test_bert_pretraining_with_fused_lamb_at_o2_trains_like_32_true():
     """``amp.initialize(model, optimizer, opt_level="O2", loss_scale="dynamic",
     cast_model_outputs=torch.float16)``: float16 logits, so a float16 loss at the default scale, and
     FusedLAMB, whose gradients the hook reads unscaled."""
-    plugin = AmpO2Plugin(dtype="float16", loss_scale="dynamic", cast_model_outputs=torch.float16)
+    plugin = AmpO2Precision(dtype="float16", loss_scale="dynamic", cast_model_outputs=torch.float16)
     start = _params(BertPretraining())
     model, _ = _fit_bert(plugin)
     reference, ref_after = _fit_bert("32-true")

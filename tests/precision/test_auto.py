@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_amp import AmpAutoPlugin, AmpPrecision, LadderRules
+from lightning_amp import AmpAutoPrecision, AmpPrecision, LadderRules
 from support.ladder_nets import BigGradNet, GainSum, LitNet, fit
 from support.trainer import assert_same_weights, quiet_lightning
 
@@ -15,7 +15,7 @@ RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2)
 
 @pytest.mark.parametrize("net_cls, working", [(GainSum, ("O1", 128.0)), (BigGradNet, ("O1", "dynamic"))])
 def test_auto_equals_the_manual_ladders_working_rung(flag_timing, net_cls, working):
-    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    plugin = AmpAutoPrecision(dtype="float16", ladder_rules=RULES)
     auto, trainer = fit(net_cls, plugin, 24)
     ladder = plugin.ladder
     assert tuple(ladder.rung) == working and plugin.properties.opt_level == "O1"
@@ -36,7 +36,7 @@ def test_the_move_warns_with_rule_step_params_and_rungs(flag_timing):
 
 
 def test_a_run_that_never_diverges_is_plain_o2_bit_for_bit(flag_timing):
-    auto_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    auto_plugin = AmpAutoPrecision(dtype="float16", ladder_rules=RULES)
     auto, _ = fit(lambda: GainSum(gain=1.0), auto_plugin, 8)
     plain, _ = fit(lambda: GainSum(gain=1.0), AmpPrecision("O2", dtype="float16", loss_scale=128.0), 8)
     assert auto_plugin.ladder.changes == 0 and auto_plugin.ladder.snapshots.good.step == 4
@@ -49,7 +49,7 @@ def test_snapshots_on_disk_give_the_in_memory_run_bit_for_bit_and_hold_no_host_m
     for snapshot_dir in (None, tmp_path / "snaps"):
         rules = LadderRules(spike_factor=10.0, spike_steps=2, spike_history=4, snapshot_every=2,
                             snapshot_dir=snapshot_dir)
-        plugin = AmpAutoPlugin(dtype="float16", ladder_rules=rules)
+        plugin = AmpAutoPrecision(dtype="float16", ladder_rules=rules)
         trainer = L.Trainer(accelerator="cpu", max_epochs=12, plugins=[plugin], logger=CSVLogger(tmp_path, name="run"),
                             log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
@@ -72,7 +72,7 @@ def test_snapshots_on_disk_give_the_in_memory_run_bit_for_bit_and_hold_no_host_m
 
 
 def test_level_and_rung_changes_are_logged(tmp_path):
-    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    plugin = AmpAutoPrecision(dtype="float16", ladder_rules=RULES)
     fit(GainSum, plugin, 8, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)
     rows = [row for row in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if row.get("amp/level")]
     levels = [float(row["amp/level"]) for row in rows]
@@ -81,16 +81,16 @@ def test_level_and_rung_changes_are_logged(tmp_path):
 
 
 def test_resume_after_a_move_continues_on_its_rung_and_says_so(tmp_path, flag_timing):
-    straight_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    straight_plugin = AmpAutoPrecision(dtype="float16", ladder_rules=RULES)
     straight, _ = fit(GainSum, straight_plugin, 12)
-    first_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    first_plugin = AmpAutoPrecision(dtype="float16", ladder_rules=RULES)
     _, trainer = fit(GainSum, first_plugin, 8)
     assert first_plugin.ladder.changes == 1
     path = tmp_path / "after-move.ckpt"
     trainer.save_checkpoint(path)
     saved = torch.load(path, weights_only=False)["AmpAutoPrecision"]["ladder"]
     assert saved["rung"] == 1 and saved["reason"].startswith("nonfinite_in_a_row") and saved["snapshot_step"] == 0
-    resumed_plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES)
+    resumed_plugin = AmpAutoPrecision(dtype="float16", ladder_rules=RULES)
     with pytest.warns(UserWarning, match=r"ladder: resuming on rung 1 \(O1/128.0\), reached at step \d after "
                                          r"nonfinite_in_a_row"):
         resumed, _ = fit(GainSum, resumed_plugin, 12, ckpt_path=path, quiet=False)
@@ -111,7 +111,7 @@ def test_bad_auto_options_are_value_errors_at_construction(kwargs, match):
 
 
 def test_bf16_default_ladder():
-    plugin = AmpAutoPlugin(dtype="bfloat16")
+    plugin = AmpAutoPrecision(dtype="bfloat16")
     assert [tuple(r) for r in plugin.ladder.rungs] == [("O2", None), ("O1", None), ("O0", None)]
     assert plugin.properties.opt_level == "O2" and plugin.loss_scale == 1.0
 
@@ -130,7 +130,7 @@ class SpikesAtO2(LitNet):
 def test_a_loss_spike_on_logged_steps_moves_the_run(flag_timing, tmp_path, log_metrics):
     """The spike rule reads the loss on the logging steps whether or not the amp/* metrics are logged."""
     rules = LadderRules(spike_factor=10.0, spike_steps=2, spike_history=4, snapshot_every=4)
-    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=rules, log_metrics=log_metrics)
+    plugin = AmpAutoPrecision(dtype="float16", ladder_rules=rules, log_metrics=log_metrics)
     trainer = L.Trainer(accelerator="cpu", max_epochs=12, plugins=[plugin], logger=CSVLogger(tmp_path, name="spike"),
                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -146,7 +146,7 @@ def test_a_loss_spike_on_logged_steps_moves_the_run(flag_timing, tmp_path, log_m
 
 
 def test_dynamic_scaler_keywords_configure_the_dynamic_rung(flag_timing):
-    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=RULES, init_scale=2.0**9, growth_interval=4)
+    plugin = AmpAutoPrecision(dtype="float16", ladder_rules=RULES, init_scale=2.0**9, growth_interval=4)
     assert plugin.loss_scale == 128.0  # the first rung's static scale
     auto, _ = fit(BigGradNet, plugin, 20)
     assert tuple(plugin.ladder.rung) == ("O1", "dynamic") and plugin.scalers[0].growth_interval == 4

@@ -8,7 +8,7 @@ import torch
 
 import lightning as L
 
-from lightning_amp import AmpAutoPlugin, AmpPrecision, LadderRules
+from lightning_amp import AmpAutoPrecision, AmpPrecision, LadderRules
 from support.trainer import assert_same_weights, quiet_lightning
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +49,7 @@ def _fit(plugin, steps):
 
 @pytest.mark.slow
 def test_scaled_bert_moves_to_o1_and_equals_the_manual_run(flag_timing):
-    plugin = AmpAutoPlugin(dtype="float16", ladder_rules=LadderRules(nonfinite_in_a_row=3, snapshot_every=2))
+    plugin = AmpAutoPrecision(dtype="float16", ladder_rules=LadderRules(nonfinite_in_a_row=3, snapshot_every=2))
     auto = _fit(plugin, STEPS)
     ladder = plugin.ladder
     assert ladder.changes == 1 and tuple(ladder.rung) == ("O1", 128.0) and ladder.snapshot_step == 0

@@ -16,7 +16,7 @@ import lightning as L
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from lightning_amp import AmpO2Plugin, ops
+from lightning_amp import AmpO2Precision, ops
 from support.processes import free_port, run_script
 from support.scripts import fsdp2
 
@@ -181,7 +181,7 @@ def test_o2_under_fsdp2_refuses_policies_that_contradict_it_before_training(monk
     shard, message = REFUSED[case]
     model = _sharded(shard)
     with pytest.raises(ValueError, match=message):
-        _fit_one_process(monkeypatch, model, AmpO2Plugin(dtype="bfloat16"))
+        _fit_one_process(monkeypatch, model, AmpO2Precision(dtype="bfloat16"))
     assert model.losses == []  # refused before the first training step
 
 
@@ -191,16 +191,16 @@ def _policies(model):
 
 
 def test_o2_under_fsdp2_sets_or_keeps_the_policy_and_batchnorm_follows_keep_batchnorm_fp32(monkeypatch):
-    model = _fit_one_process(monkeypatch, _sharded(_bn_apart), AmpO2Plugin(dtype="bfloat16"))  # no mp_policy
+    model = _fit_one_process(monkeypatch, _sharded(_bn_apart), AmpO2Precision(dtype="bfloat16"))  # no mp_policy
     assert _policies(model) == {"bn": (None, None), "root": (torch.bfloat16, torch.float32)}  # bn: fp32 anyway
     assert model.seen == {"bn": torch.float32, "head": torch.bfloat16} and len(model.losses) == 1
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
     model = _fit_one_process(monkeypatch, _sharded(lambda m, mesh: _bn_apart(m, mesh, mp_policy=policy)),
-                             AmpO2Plugin(dtype="bfloat16"))
+                             AmpO2Precision(dtype="bfloat16"))
     assert fully_shard.state(model)._mp_policy is policy  # the user's, output_dtype and all
     assert model.seen == {"bn": torch.float32, "head": torch.bfloat16} and len(model.losses) == 1
     model = _fit_one_process(monkeypatch, _sharded(lambda m, mesh: fully_shard(m, mesh=mesh)),
-                             AmpO2Plugin(dtype="bfloat16", keep_batchnorm_fp32=False))
+                             AmpO2Precision(dtype="bfloat16", keep_batchnorm_fp32=False))
     assert model.seen == {"bn": torch.bfloat16, "head": torch.bfloat16} and len(model.losses) == 1
     # kept bf16 during the run (its values are bf16's), handed back fp32 at teardown (amp/release.py)
     running_mean = model.bn.running_mean

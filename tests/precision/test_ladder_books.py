@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from support.ladder_nets import BigGradNet, GainSum, LitNet
 from support.trainer import quiet_lightning
-from lightning_amp import AmpAutoPlugin, LadderRules
+from lightning_amp import AmpAutoPrecision, LadderRules
 
 RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2, max_skip_rate=None, floor_patience=None)
 
@@ -38,7 +38,7 @@ class _Counts(L.Callback):
 
 
 def test_skipped_steps_never_go_down_across_moves_the_log_and_a_resume(tmp_path, flag_timing):
-    plugin, counts = AmpAutoPlugin(dtype="float16", ladder_rules=RULES), _Counts()
+    plugin, counts = AmpAutoPrecision(dtype="float16", ladder_rules=RULES), _Counts()
     trainer = _fit(LitNet(BigGradNet), plugin, 14, [counts], logger=CSVLogger(tmp_path, name="run"),
                    log_every_n_steps=1)
     assert counts.changes[-1] == 2 and tuple(plugin.ladder.rung) == ("O1", "dynamic")  # two moves: O2 -> O1 -> O1/dyn
@@ -51,8 +51,8 @@ def test_skipped_steps_never_go_down_across_moves_the_log_and_a_resume(tmp_path,
 
     path = tmp_path / "after-moves.ckpt"
     trainer.save_checkpoint(path)
-    assert torch.load(path, weights_only=False)["AmpAutoPlugin"]["skipped_steps"] == plugin.skipped_steps
-    resumed, resumed_counts = AmpAutoPlugin(dtype="float16", ladder_rules=RULES), _Counts()
+    assert torch.load(path, weights_only=False)["AmpAutoPrecision"]["skipped_steps"] == plugin.skipped_steps
+    resumed, resumed_counts = AmpAutoPrecision(dtype="float16", ladder_rules=RULES), _Counts()
     with pytest.warns(UserWarning, match="ladder: resuming on rung 2"):
         _fit(LitNet(BigGradNet), resumed, 16, [resumed_counts], ckpt_path=path, quiet=False)
     assert resumed_counts.skipped[0] >= plugin.skipped_steps and resumed_counts.skipped == sorted(resumed_counts.skipped)
@@ -107,7 +107,7 @@ class _States(L.Callback):
 def test_a_move_rolls_the_scheduler_back_with_the_weights_after_it_advanced(flag_timing):
     rules = LadderRules(nonfinite_in_a_row=2, snapshot_every=2, max_skip_rate=None, floor_patience=None,
                         spike_factor=None)
-    plugin, states = AmpAutoPlugin(dtype="float16", ladder_rules=rules), _States()
+    plugin, states = AmpAutoPrecision(dtype="float16", ladder_rules=rules), _States()
     _fit(PoisonedLater(), plugin, 9, [states])  # ends a step after the move
     ladder = plugin.ladder
     assert ladder.changes == 1 and tuple(ladder.rung) == ("O1", 128.0)

@@ -14,7 +14,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from support.processes import free_port
-from lightning_amp import AmpAutoPlugin, AmpO2Plugin
+from lightning_amp import AmpAutoPrecision, AmpO2Precision
 from lightning_amp.fabric import FabricAmpAutoPrecision, FabricAmpO2Precision
 
 REFUSED = r'opt_level="auto" \(the precision ladder\) is not supported under {}.*Allowed: strategy="auto"'
@@ -22,10 +22,10 @@ REFUSED = r'opt_level="auto" \(the precision ladder\) is not supported under {}.
 
 def test_tp_fused_refuses_the_ladder_when_the_trainer_and_fabric_are_built():
     with pytest.raises(ValueError, match=REFUSED.format("strategy='tp_fused'")):
-        L.Trainer(accelerator="cpu", strategy="tp_fused", plugins=[AmpAutoPlugin(dtype="float16")])
+        L.Trainer(accelerator="cpu", strategy="tp_fused", plugins=[AmpAutoPrecision(dtype="float16")])
     with pytest.raises(ValueError, match=REFUSED.format("strategy='tp_fused'")):
         L.Fabric(accelerator="cpu", strategy="tp_fused", plugins=[FabricAmpAutoPrecision(dtype="float16")])
-    L.Trainer(accelerator="cpu", strategy="tp_fused", plugins=[AmpO2Plugin(dtype="float16")])  # a fixed level is fine
+    L.Trainer(accelerator="cpu", strategy="tp_fused", plugins=[AmpO2Precision(dtype="float16")])  # a fixed level is fine
     L.Fabric(accelerator="cpu", strategy="tp_fused", plugins=[FabricAmpO2Precision(dtype="float16")])
 
 
@@ -44,7 +44,7 @@ def one_process_group(monkeypatch):
 
 
 def test_fsdp2_refuses_the_ladder_at_setup_before_the_model_is_cast(one_process_group):
-    model, plugin = _Parallelized(), AmpAutoPlugin(dtype="float16")
+    model, plugin = _Parallelized(), AmpAutoPrecision(dtype="float16")
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(), max_steps=1, logger=False,
                         plugins=[plugin], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)

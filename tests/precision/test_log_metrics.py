@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_amp import AmpO2Plugin, AmpPrecision
+from lightning_amp import AmpO2Precision, AmpPrecision
 from lightning_amp.fabric import FabricAmpO1Precision, FabricAmpPrecision
 from support.trainer import quiet_lightning
 
@@ -25,7 +25,7 @@ def _logged(plugin, tmp_path):
 @pytest.mark.parametrize("log_metrics", [None, True, False])
 def test_amp_metrics_logged_unless_turned_off(log_metrics, tmp_path):
     kwargs = {} if log_metrics is None else {"log_metrics": log_metrics}
-    plugin = AmpO2Plugin(dtype="float16", **kwargs)
+    plugin = AmpO2Precision(dtype="float16", **kwargs)
     logged = _logged(plugin, tmp_path)
     if log_metrics is False:
         assert not logged & AMP_METRICS, logged
@@ -33,7 +33,7 @@ def test_amp_metrics_logged_unless_turned_off(log_metrics, tmp_path):
         assert AMP_METRICS <= logged, logged
 
 
-@pytest.mark.parametrize("cls", [AmpPrecision, AmpO2Plugin, FabricAmpPrecision, FabricAmpO1Precision])
+@pytest.mark.parametrize("cls", [AmpPrecision, AmpO2Precision, FabricAmpPrecision, FabricAmpO1Precision])
 @pytest.mark.parametrize("value", ["no", 0, None])
 def test_a_non_bool_log_metrics_is_a_type_error_naming_it(cls, value):
     with pytest.raises(TypeError, match=r"`log_metrics` must be True or False; got"):

@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import lightning_amp
-from lightning_amp import AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, AmpPrecision, main_params
+from lightning_amp import AmpO0Precision, AmpO1Precision, AmpO2Precision, AmpO3Precision, AmpPrecision, main_params
 from lightning_amp import precision as precision_module
 from lightning_amp.amp import engine as engine_module
 from lightning_amp.amp.gate import StepGate
@@ -113,17 +113,17 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, name):
 
 
 def test_shorthands_fix_the_level_and_forward_kwargs():
-    assert [p().properties.opt_level for p in (AmpO0Plugin, AmpO1Plugin, AmpO2Plugin, AmpO3Plugin)] == [
+    assert [p().properties.opt_level for p in (AmpO0Precision, AmpO1Precision, AmpO2Precision, AmpO3Precision)] == [
         "O0", "O1", "O2", "O3"
     ]
-    plugin = AmpO2Plugin(dtype="float16", loss_scale=128.0, keep_batchnorm_fp32=False)
+    plugin = AmpO2Precision(dtype="float16", loss_scale=128.0, keep_batchnorm_fp32=False)
     assert plugin.properties.loss_scale == 128.0 and plugin.loss_scale == 128.0
     assert plugin.properties.keep_batchnorm_fp32 is False and plugin.precision == "16-mixed"
-    assert AmpO2Plugin(dtype="float16").loss_scale == 2.0**16
-    assert AmpO2Plugin(dtype="bfloat16").loss_scale == 1.0
-    assert AmpO3Plugin(dtype="bfloat16").precision == "bf16-true"
+    assert AmpO2Precision(dtype="float16").loss_scale == 2.0**16
+    assert AmpO2Precision(dtype="bfloat16").loss_scale == 1.0
+    assert AmpO3Precision(dtype="bfloat16").precision == "bf16-true"
     with pytest.raises(TypeError, match="opt_level"):
-        AmpO2Plugin(opt_level="O1")
+        AmpO2Precision(opt_level="O1")
     assert lightning_amp.AmpPrecision is AmpPrecision
 
 
@@ -168,12 +168,12 @@ def test_dtypes_of_params_masters_and_activations(level, dtype_name):
 
 def test_o3_fp16_adam_with_vanishing_eps_warns():
     with pytest.warns(UserWarning, match="eps=1e-08, which is 0 in torch.float16"):
-        _fit(Classifier(), AmpO3Plugin(dtype="float16"), steps=1)
+        _fit(Classifier(), AmpO3Precision(dtype="float16"), steps=1)
 
 
 def test_o3_keep_batchnorm_fp32():
     model = Classifier()
-    _fit(model, AmpO3Plugin(dtype="bfloat16", keep_batchnorm_fp32=True), steps=1)
+    _fit(model, AmpO3Precision(dtype="bfloat16", keep_batchnorm_fp32=True), steps=1)
     assert model.net[0].weight.dtype == BF16 and model.net[1].weight.dtype == torch.float32
     assert model.seen["batchnorm"] == BF16
 
@@ -236,10 +236,10 @@ def _same(a, b):
 @pytest.mark.parametrize(
     "plugin_fn, value, scale_after",
     [
-        (lambda: AmpO2Plugin(dtype="float16", init_scale=2.0**10), float("inf"), 2.0**8),
-        (lambda: AmpO1Plugin(dtype="bfloat16"), float("nan"), 1.0),  # static scale 1.0 still skips
-        (lambda: AmpO0Plugin(), float("inf"), 1.0),
-        (lambda: AmpO3Plugin(dtype="bfloat16"), float("-inf"), 1.0),
+        (lambda: AmpO2Precision(dtype="float16", init_scale=2.0**10), float("inf"), 2.0**8),
+        (lambda: AmpO1Precision(dtype="bfloat16"), float("nan"), 1.0),  # static scale 1.0 still skips
+        (lambda: AmpO0Precision(), float("inf"), 1.0),
+        (lambda: AmpO3Precision(dtype="bfloat16"), float("-inf"), 1.0),
     ],
     ids=["O2-fp16-dynamic", "O1-bf16-static", "O0", "O3-bf16"],
 )
@@ -285,7 +285,7 @@ def test_clean_step_after_a_late_skip_is_not_dropped(flag_timing):
     """O2 bf16, SGD, a per-step LR scheduler, inf at step 2 of 6: only step 2 is skipped, also when its
     flag lands after step 3's backward (the skip once cleared step 3's grads: step 3 silently dropped)."""
     model = Classifier(inject_at=(2,), sgd=True)
-    plugin, snaps = AmpO2Plugin(dtype="bfloat16"), _Snapshots()
+    plugin, snaps = AmpO2Precision(dtype="bfloat16"), _Snapshots()
     trainer = _fit(model, plugin, steps=6, callbacks=[snaps])
     moved = [not _same(snaps.before[s]["main"], snaps.after[s]["main"]) for s in range(6)]
     assert moved == [True, True, False, True, True, True]
@@ -307,7 +307,7 @@ def test_late_flag_reports_the_params_of_its_own_step():
 
     seen = []
     with simulate_device_lag(3):
-        plugin = AmpO2Plugin(dtype="float16", init_scale=2.0**10)
+        plugin = AmpO2Precision(dtype="float16", init_scale=2.0**10)
         engine, original = plugin.amp.engine, plugin.amp.engine._on_skip
         engine._on_skip = lambda state, report: (seen.append((state.scaler.steps, report)), original(state, report))
         _fit(TwoFaults(scheduler=False), plugin, steps=6)
@@ -437,10 +437,10 @@ def test_fused_adamw_unscales_in_kernel_when_not_clipping():
             opt.step = spy_step
             return opt
 
-    ref = _fit(Spy(fused=True, scheduler=False), AmpO0Plugin(), steps=3)  # scale 1: nothing to unscale
+    ref = _fit(Spy(fused=True, scheduler=False), AmpO0Precision(), steps=3)  # scale 1: nothing to unscale
     assert seen == [None, None, None]
     seen.clear()
-    fused = _fit(Spy(fused=True, scheduler=False), AmpO0Plugin(loss_scale=256.0), steps=3)
+    fused = _fit(Spy(fused=True, scheduler=False), AmpO0Precision(loss_scale=256.0), steps=3)
     assert seen == [256.0, 256.0, 256.0]
     for a, b in zip(_main_values(ref), _main_values(fused)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
@@ -463,7 +463,7 @@ def test_global_optimizer_step_hooks_run_for_optimizers_the_plugin_steps():
     pre = register_optimizer_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
     post = register_optimizer_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
     try:
-        _fit(Classifier(scheduler=False), AmpO2Plugin(dtype="bfloat16", fused_update=True), steps=3)
+        _fit(Classifier(scheduler=False), AmpO2Precision(dtype="bfloat16", fused_update=True), steps=3)
     finally:
         pre.remove()
         post.remove()
@@ -472,12 +472,12 @@ def test_global_optimizer_step_hooks_run_for_optimizers_the_plugin_steps():
 
 def test_lbfgs_with_loss_scale_is_refused_at_setup():
     with pytest.raises(ValueError, match=r"optimizers\[0\] \(LBFGS\)"):
-        _fit(_Lbfgs(), AmpO2Plugin(dtype="float16"), steps=1)
+        _fit(_Lbfgs(), AmpO2Precision(dtype="float16"), steps=1)
     with pytest.raises(ValueError, match=r"LBFGS.*loss_scale=1024"):
-        _fit(_Lbfgs(), AmpO0Plugin(loss_scale=1024.0), steps=1)
+        _fit(_Lbfgs(), AmpO0Precision(loss_scale=1024.0), steps=1)
     model = _Lbfgs()
     before = model.net[0].weight.detach().clone()
-    _fit(model, AmpO0Plugin(), steps=2)  # no scaling, no masters: LBFGS works
+    _fit(model, AmpO0Precision(), steps=2)  # no scaling, no masters: LBFGS works
     assert not torch.equal(before, model.net[0].weight)
 
 
@@ -518,7 +518,7 @@ class _TwoOptimizers(L.LightningModule):
 
 def test_manual_optimization_two_optimizers_have_separate_scalers(flag_timing):
     model = _TwoOptimizers(inject_at=1)
-    plugin = AmpO2Plugin(dtype="float16", init_scale=2.0**10)
+    plugin = AmpO2Precision(dtype="float16", init_scale=2.0**10)
     trainer = _fit(model, plugin, steps=6)  # 3 batches x 2 optimizers
     assert model.history == [[True, True], [True, False], [True, True]]
     assert plugin.loss_scales == [2.0**10, 2.0**9]
@@ -552,7 +552,7 @@ class _NoZeroGrad(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("plugin_fn", [lambda: AmpO2Plugin(dtype="bfloat16"), lambda: AmpO0Plugin()], ids=["O2", "O0"])
+@pytest.mark.parametrize("plugin_fn", [lambda: AmpO2Precision(dtype="bfloat16"), lambda: AmpO0Precision()], ids=["O2", "O0"])
 def test_grads_of_a_skipped_step_do_not_leak_into_the_next(plugin_fn, flag_timing):
     """Without zero_grad the next backward adds to the skipped step's grads: those are dropped whether
     the skip reaches the host before that backward (immediate) or after it (late: zeroed on the device)."""
@@ -607,7 +607,7 @@ def test_o2_gradient_accumulation_happens_in_fp32(flag_timing):
                     a.grad is b.grad for a, b in zip(pl_module.parameters(), main_params(optimizer)))
 
     acc = _Regression()
-    _fit(acc, AmpO2Plugin(dtype="bfloat16"), steps=1, data=loader, accumulate_grad_batches=2, callbacks=[Probe()])
+    _fit(acc, AmpO2Precision(dtype="bfloat16"), steps=1, data=loader, accumulate_grad_batches=2, callbacks=[Probe()])
     start = seen["start"]
     reference = [torch.zeros(p.shape, dtype=torch.float64) for p in start.parameters()]
     for i in range(2):
@@ -642,7 +642,7 @@ def test_o1_and_o2_bf16_converge_within_2_percent_of_fp32():
     reference = final_loss(None)
     untrained = nn.functional.mse_loss(_Regression()(x), y).item()
     assert reference < 0.6 * untrained  # it did learn something
-    for plugin in (AmpO1Plugin(dtype="bfloat16"), AmpO2Plugin(dtype="bfloat16")):
+    for plugin in (AmpO1Precision(dtype="bfloat16"), AmpO2Precision(dtype="bfloat16")):
         loss = final_loss(plugin)
         assert abs(loss - reference) / reference < 0.02, (plugin.properties.opt_level, loss, reference)
 
@@ -684,7 +684,7 @@ def test_o1_forward_context_activates_cast_registrations_only_inside():
             return super().training_step(batch, batch_idx)
 
     try:
-        _fit(Probe(), AmpO1Plugin(dtype="bfloat16"), steps=1)
+        _fit(Probe(), AmpO1Precision(dtype="bfloat16"), steps=1)
         outside = namespace.matmul_like(torch.randn(2, 3).bfloat16(), torch.randn(3, 2).bfloat16()).dtype
     finally:
         unregister_function(namespace, "matmul_like")
@@ -702,8 +702,8 @@ def test_o1_fp16_refuses_binary_cross_entropy_in_training_step():
             return nn.functional.binary_cross_entropy(probs, nn.functional.one_hot(y, 4).to(probs.dtype))
 
     with pytest.raises(UnsafeHalfOpError, match="BCEWithLogits"):
-        _fit(Bce(), AmpO1Plugin(dtype="float16"), steps=1)
-    _fit(Bce(), AmpO1Plugin(dtype="bfloat16"), steps=1)  # bf16 is not refused
+        _fit(Bce(), AmpO1Precision(dtype="float16"), steps=1)
+    _fit(Bce(), AmpO1Precision(dtype="bfloat16"), steps=1)  # bf16 is not refused
     assert nn.functional.binary_cross_entropy(torch.tensor([0.5]).half(), torch.tensor([1.0]).half()).isfinite()
 
 
@@ -729,7 +729,7 @@ def test_manual_optimization_clip_gradients_sees_unscaled_grads():
             self.deltas.append(torch.linalg.vector_norm(after - before).item())
 
     model = Manual()
-    plugin = AmpO0Plugin(loss_scale=1024.0)
+    plugin = AmpO0Precision(loss_scale=1024.0)
     _fit(model, plugin, steps=2)
     assert len(plugin.scalers) == 1  # the LightningOptimizer wrapper maps to the optimizer's own scaler
     # SGD moves by lr * clipped grad: norm lr * 1e-3 (clipping the scaled grads would give 1024x less)
@@ -739,13 +739,13 @@ def test_manual_optimization_clip_gradients_sees_unscaled_grads():
 def test_scaler_keywords_with_a_fixed_scale_raise_or_warn():
     """A static scale ignores the dynamic scaler's keywords: explicit contradiction raises, a default warns."""
     with pytest.raises(ValueError, match=r"`growth_interval`, `init_scale` configure the dynamic loss scale"):
-        AmpO2Plugin(dtype="float16", loss_scale=128.0, init_scale=2.0**10, growth_interval=10)
-    for make, why in ((lambda: AmpO2Plugin(dtype="bfloat16", hysteresis=2), "bfloat16 needs no scaling"),
-                      (lambda: AmpO3Plugin(dtype="float16", min_loss_scale=4.0), "the O3 default")):
+        AmpO2Precision(dtype="float16", loss_scale=128.0, init_scale=2.0**10, growth_interval=10)
+    for make, why in ((lambda: AmpO2Precision(dtype="bfloat16", hysteresis=2), "bfloat16 needs no scaling"),
+                      (lambda: AmpO3Precision(dtype="float16", min_loss_scale=4.0), "the O3 default")):
         with pytest.warns(UserWarning, match=rf": no effect, the loss scale is a fixed 1.0 \({why}\)"):
             make()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        AmpO2Plugin(dtype="float16", init_scale=2.0**10)  # dynamic: used
-        AmpO2Plugin(dtype="bfloat16", loss_scale="dynamic", growth_interval=10)
-        AmpO2Plugin(dtype="bfloat16", loss_scale=1.0)  # nothing given
+        AmpO2Precision(dtype="float16", init_scale=2.0**10)  # dynamic: used
+        AmpO2Precision(dtype="bfloat16", loss_scale="dynamic", growth_interval=10)
+        AmpO2Precision(dtype="bfloat16", loss_scale=1.0)  # nothing given

@@ -1,4 +1,4 @@
-"""AmpO2Plugin under Trainer(strategy="ddp", devices=2, accelerator="cpu") with gloo, real processes.
+"""AmpO2Precision under Trainer(strategy="ddp", devices=2, accelerator="cpu") with gloo, real processes.
 
 (Also: ``find_unused_parameters`` and ``static_graph``, against ``bf16-mixed``; support/scripts/ddp_graph.py.)
 

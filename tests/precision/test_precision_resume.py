@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_amp import AmpO2Plugin, AmpPrecision, main_params
+from lightning_amp import AmpO2Precision, AmpPrecision, main_params
 from support.trainer import quiet_lightning
 
 N = 4  # steps per half: one epoch of 4 batches
@@ -68,8 +68,8 @@ CASES = {
     "O0": lambda: AmpPrecision("O0"),
     "O1-bf16": lambda: AmpPrecision("O1", dtype="bfloat16"),
     "O1-fp16": lambda: AmpPrecision("O1", dtype="float16", init_scale=2.0**20, growth_interval=2),
-    "O2-bf16": lambda: AmpO2Plugin(dtype="bfloat16"),
-    "O2-fp16": lambda: AmpO2Plugin(dtype="float16", init_scale=2.0**17, growth_interval=2),
+    "O2-bf16": lambda: AmpO2Precision(dtype="bfloat16"),
+    "O2-fp16": lambda: AmpO2Precision(dtype="float16", init_scale=2.0**17, growth_interval=2),
     "O3-bf16": lambda: AmpPrecision("O3", dtype="bfloat16"),
 }
 
@@ -117,7 +117,7 @@ def _equal(a, b):
 
 
 def test_o2_checkpoint_holds_the_fp32_params_and_loads_into_a_plain_fp32_model(tmp_path):
-    plugin = AmpO2Plugin(dtype="bfloat16")
+    plugin = AmpO2Precision(dtype="bfloat16")
     model = Net()
     trainer = _trainer(plugin, 1)
     trainer.fit(model, _loader())
@@ -147,7 +147,7 @@ FORMER_DESIGN = pathlib.Path(__file__).parent / "data" / "o2_former_design.ckpt"
 def test_checkpoint_of_the_former_o2_design_resumes_with_its_fp32_masters(tmp_path):
     """tests/precision/data/o2_former_design.ckpt was saved by the former O2 design (main at 260711c: half module
     params, private fp32 masters written over the state_dict) after one epoch of ``Net`` with
-    ``AmpO2Plugin(dtype="bfloat16")``. It loads: the module's fp32 params take the master values
+    ``AmpO2Precision(dtype="bfloat16")``. It loads: the module's fp32 params take the master values
     bit for bit (not their bf16 rounding) and the optimizer its fp32 state."""
     checkpoint = torch.load(FORMER_DESIGN, weights_only=False)
     masters = checkpoint["state_dict"]
@@ -160,7 +160,7 @@ def test_checkpoint_of_the_former_o2_design_resumes_with_its_fp32_masters(tmp_pa
             opt = trainer.optimizers[0]
             seen["state"] = [{k: v.clone() for k, v in opt.state[p].items()} for p in main_params(opt)]
 
-    plugin = AmpO2Plugin(dtype="bfloat16")
+    plugin = AmpO2Precision(dtype="bfloat16")
     trainer = L.Trainer(accelerator="cpu", max_epochs=2, plugins=[plugin], logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, callbacks=[Probe()])
     model = Net()

@@ -27,7 +27,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_amp import AmpO1Plugin, AmpO2Plugin, AmpO3Plugin, main_params
+from lightning_amp import AmpO1Precision, AmpO2Precision, AmpO3Precision, main_params
 from lightning_amp.amp import o2_policy
 from support.trainer import LossRecorder, quiet_lightning
 
@@ -39,7 +39,7 @@ needs_transformers = pytest.mark.skipif(transformers is None, reason="this cell'
 
 STEPS = 4
 VOCAB, SEQ, BATCH, HIDDEN = 64, 16, 4, 32
-PLUGINS = {"O1": AmpO1Plugin, "O2": AmpO2Plugin, "O3": AmpO3Plugin}
+PLUGINS = {"O1": AmpO1Precision, "O2": AmpO2Precision, "O3": AmpO3Precision}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 FIRST_LOGITS_ULPS = 4
@@ -338,7 +338,7 @@ def test_third_party_model_trains_at_every_level(name, level, dtype_name, fp32_f
 @pytest.mark.parametrize("name", _cells(["demo_transformer", "llama"]))
 def test_o2_checkpoint_loads_into_the_plain_fp32_model(name, tmp_path):
     model, batch = _build(name)
-    _train(model, batch, AmpO2Plugin(dtype=torch.bfloat16))
+    _train(model, batch, AmpO2Precision(dtype=torch.bfloat16))
     path = tmp_path / "o2.ckpt"
     model.trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=False)["state_dict"]
@@ -433,7 +433,7 @@ def test_o2_bert_forward_stays_half_under_cuda_autocast_lists(dtype_name, monkey
     for norm_policy in ("half", "fp32"):
         bert, batch = _sdpa_bert()
         model = _SpiedStep(bert)
-        plugin = AmpO2Plugin(dtype=dtype, norm_policy=norm_policy)
+        plugin = AmpO2Precision(dtype=dtype, norm_policy=norm_policy)
         hold = o2_policy.hold() if norm_policy == "fp32" else None  # bf16-mixed's kernels: torch's CUDA lists
         try:
             losses = _train(model, batch, plugin)
@@ -479,7 +479,7 @@ def test_o2_casts_an_fp32_mask_passed_by_keyword_and_keeps_fully_masked_rows_fin
         reference.training_step(batch, 0)
     first = _FirstStep()
 
-    losses = _train(model, batch, AmpO2Plugin(dtype=dtype), first)
+    losses = _train(model, batch, AmpO2Precision(dtype=dtype), first)
 
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
     assert all(torch.isfinite(part).all() for part in first.logits)

@@ -17,7 +17,7 @@ from torch import nn
 import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_amp import AmpO2Plugin
+from lightning_amp import AmpO2Precision
 
 STEPS = 4
 GRAPHS = {"find_unused_parameters": dict(find_unused_parameters=True), "static_graph": dict(static_graph=True)}
@@ -54,7 +54,7 @@ def main(out_dir: str) -> None:
     results = {}
     for graph, kwargs in GRAPHS.items():
         for precision in ("bf16-mixed", "O2"):
-            plugins = [AmpO2Plugin(dtype="bfloat16")] if precision == "O2" else []
+            plugins = [AmpO2Precision(dtype="bfloat16")] if precision == "O2" else []
             model = Branchy()
             trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(**kwargs), plugins=plugins,
                                 precision=None if plugins else precision, max_steps=STEPS, logger=False,

@@ -1,7 +1,7 @@
 """Standalone run for tests/precision/test_precision_ddp.py.
 
 Usage: python -m support.scripts.precision_ddp OUT_DIR DEVICES
-Trains a tiny model under AmpO2Plugin(float16) with accumulate_grad_batches=2. With 2 devices
+Trains a tiny model under AmpO2Precision(float16) with accumulate_grad_batches=2. With 2 devices
 (strategy="ddp", gloo) rank 1 alone writes inf into one gradient at optimizer step INF_STEP; with
 1 device the same step gets the inf, and the batch holds both ranks' samples. Each rank saves its
 params (the optimizer's and the module's, both fp32 under O2), loss scale and skipped-step count to OUT_DIR/rank{r}.pt.
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import lightning as L
-from lightning_amp import AmpO2Plugin
+from lightning_amp import AmpO2Precision
 
 INF_STEP = 2
 MICRO_BATCH = 4  # per rank
@@ -53,7 +53,7 @@ def main(out_dir: str, devices: int) -> None:
         torch.utils.data.TensorDataset(x, y), batch_size=MICRO_BATCH * (3 - devices), shuffle=False
     )
     model = Net()
-    plugin = AmpO2Plugin(dtype="float16", init_scale=2.0**10, growth_interval=1000)
+    plugin = AmpO2Precision(dtype="float16", init_scale=2.0**10, growth_interval=1000)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
