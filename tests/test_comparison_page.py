@@ -97,9 +97,9 @@ def test_the_cells_checkable_here_hold():
     options = set(inspect.signature(torch.amp.GradScaler).parameters)
     assert {"init_scale", "growth_interval", "backoff_factor"} <= options
     assert not options & {"hysteresis", "min_scale", "min_loss_scale", "max_scale", "max_loss_scale"}
-    # is_bf16_supported() counts emulated bf16 (a V100, a T4) unless told not to; dtype="auto" asks it so
+    # is_bf16_supported() counts emulated bf16 (a V100, a T4) unless told not to; dtype="auto" tells it not to
     assert inspect.signature(torch.cuda.is_bf16_supported).parameters["including_emulation"].default is True
-    assert "is_bf16_supported()" in inspect.getsource(_auto_dtype)
+    assert "is_bf16_supported(including_emulation=False)" in inspect.getsource(_auto_dtype)
     # lightning-amp has no FP8: the README sends FP8 to Lightning's transformer-engine
     sources = [*(ROOT / "lightning_amp").rglob("*.py"),
                *(s for s in (ROOT / "csrc").rglob("*") if s.suffix in (".cpp", ".h", ".cu", ".cuh"))]

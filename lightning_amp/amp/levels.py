@@ -158,7 +158,8 @@ def resolve_dtype(dtype: Union[str, torch.dtype], device_type: str = "cpu") -> t
 def _auto_dtype(device_type: str) -> torch.dtype:
     if device_type == "cpu":
         return torch.bfloat16
-    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+    # native bf16 only: by default torch counts the bf16 a V100 or T4 emulates (slowly), where float16 is the choice
+    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     return torch.float16
 

@@ -79,9 +79,20 @@ def test_resolve_dtype_names(spec, expected):
 
 def test_auto_dtype_is_bf16_on_cpu_and_follows_cuda_support():
     assert resolve_dtype("auto", "cpu") is torch.bfloat16
-    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     assert resolve_dtype("auto", "cuda") is (torch.bfloat16 if cuda_bf16 else torch.float16)
     assert resolve_properties("O1", device_type="cpu").dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("native, emulated, want", [(True, True, torch.bfloat16), (False, True, torch.float16),
+                                                    (False, False, torch.float16)])
+def test_auto_dtype_takes_bf16_only_where_the_gpu_has_it_natively(monkeypatch, native, emulated, want):
+    """A V100 or T4 emulates bf16 (slowly): torch's is_bf16_supported() says yes by default there, and "auto" must
+    take float16 (stubbed torch.cuda: the answer of a GPU of each kind)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native or (including_emulation and emulated))
+    assert resolve_dtype("auto", "cuda") is want
 
 
 @pytest.mark.parametrize("bad", ["float32", "int8", "", torch.float32, torch.int32, 16, None])
