@@ -27,6 +27,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         text = "FAILED\n" + traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(text)
+    dist.barrier()  # every rank's traffic is done before either tears its gloo group down (see support.processes)
     dist.destroy_process_group()
 
 

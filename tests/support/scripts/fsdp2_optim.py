@@ -159,6 +159,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                         "lamb_fallback_calls": fallback_calls}
     if rank == 0:
         torch.save(result, os.path.join(out_dir, "result.pt"))
+    dist.barrier()  # every rank's traffic is done before either tears its gloo group down (see support.processes)
     dist.destroy_process_group()
 
 
