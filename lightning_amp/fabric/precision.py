@@ -79,7 +79,7 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
 
     @rollback_extras.setter
     def rollback_extras(self, extras: Dict[str, Any]) -> None:
-        self.amp.rollback_extras = dict(extras)
+        self.amp.rollback_extras = extras
 
     # ---- setup -------------------------------------------------------------------------
 

@@ -1,7 +1,6 @@
 """``opt_level="auto"`` under the Trainer keeps its books across a move: the skipped-step count never goes down
 (the plugin's, the logged one, the checkpoint's), and a rollback takes the LR scheduler back with the weights even
 when it advanced between the rollback point and the move."""
-import contextlib
 import csv
 
 import lightning as L
@@ -9,20 +8,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from support.ladder_nets import BigGradNet, GainSum, LitNet
-from support.trainer import quiet_lightning
+from support.ladder_nets import BigGradNet, GainSum, LitNet, fit
 from lightning_amp import AmpAutoPrecision, LadderRules
 
 RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2, max_skip_rate=None, floor_patience=None)
-
-
-def _fit(model, plugin, epochs, callbacks=(), ckpt_path=None, quiet=True, **options):
-    options = {"logger": False, **options}
-    trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, plugins=[plugin], callbacks=list(callbacks),
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **options)
-    with quiet_lightning() if quiet else contextlib.nullcontext():
-        trainer.fit(model, ckpt_path=ckpt_path)
-    return trainer
 
 
 class _Counts(L.Callback):
@@ -39,8 +28,8 @@ class _Counts(L.Callback):
 
 def test_skipped_steps_never_go_down_across_moves_the_log_and_a_resume(tmp_path, flag_timing):
     plugin, counts = AmpAutoPrecision(dtype="float16", ladder_rules=RULES), _Counts()
-    trainer = _fit(LitNet(BigGradNet), plugin, 14, [counts], logger=CSVLogger(tmp_path, name="run"),
-                   log_every_n_steps=1)
+    _, trainer = fit(BigGradNet, plugin, 14, callbacks=[counts], logger=CSVLogger(tmp_path, name="run"),
+                     log_every_n_steps=1)
     assert counts.changes[-1] == 2 and tuple(plugin.ladder.rung) == ("O1", "dynamic")  # two moves: O2 -> O1 -> O1/dyn
     assert counts.skipped == sorted(counts.skipped) and counts.skipped[-1] >= 6, counts.skipped
     moved = counts.changes.index(1)
@@ -54,7 +43,7 @@ def test_skipped_steps_never_go_down_across_moves_the_log_and_a_resume(tmp_path,
     assert torch.load(path, weights_only=False)["AmpAutoPrecision"]["skipped_steps"] == plugin.skipped_steps
     resumed, resumed_counts = AmpAutoPrecision(dtype="float16", ladder_rules=RULES), _Counts()
     with pytest.warns(UserWarning, match="ladder: resuming on rung 2"):
-        _fit(LitNet(BigGradNet), resumed, 16, [resumed_counts], ckpt_path=path, quiet=False)
+        fit(BigGradNet, resumed, 16, ckpt_path=path, quiet=False, callbacks=[resumed_counts])
     assert resumed_counts.skipped[0] >= plugin.skipped_steps and resumed_counts.skipped == sorted(resumed_counts.skipped)
 
 
@@ -108,7 +97,7 @@ def test_a_move_rolls_the_scheduler_back_with_the_weights_after_it_advanced(flag
     rules = LadderRules(nonfinite_in_a_row=2, snapshot_every=2, max_skip_rate=None, floor_patience=None,
                         spike_factor=None)
     plugin, states = AmpAutoPrecision(dtype="float16", ladder_rules=rules), _States()
-    _fit(PoisonedLater(), plugin, 9, [states])  # ends a step after the move
+    fit(PoisonedLater(), plugin, 9, callbacks=[states])  # ends a step after the move
     ladder = plugin.ladder
     assert ladder.changes == 1 and tuple(ladder.rung) == ("O1", 128.0)
     point = ladder.snapshot_step  # steps before POISON_FROM are never skipped: the scheduler advanced at each

@@ -76,9 +76,10 @@ class LitNet(L.LightningModule):
 
 
 def fit(net_cls, plugin, steps, ckpt_path=None, quiet=True, **trainer_kwargs):
-    """(model, trainer): a :class:`LitNet` of ``net_cls`` fitted on the CPU under ``plugin`` for ``steps`` epochs of
-    one step (no logger or checkpoints unless ``trainer_kwargs`` say so), Lightning quiet unless ``quiet`` is off."""
-    model = LitNet(net_cls)
+    """(model, trainer): a :class:`LitNet` of ``net_cls`` (or ``net_cls`` itself when it is a LitNet already) fitted
+    on the CPU under ``plugin`` for ``steps`` epochs of one step (no logger or checkpoints unless ``trainer_kwargs``
+    say so), Lightning quiet unless ``quiet`` is off."""
+    model = net_cls if isinstance(net_cls, LitNet) else LitNet(net_cls)
     options = dict(logger=False, enable_checkpointing=False)
     options.update(trainer_kwargs)
     trainer = L.Trainer(accelerator="cpu", max_epochs=steps, plugins=[plugin], enable_progress_bar=False,
