@@ -34,14 +34,14 @@ void check_wgrad(const char* op, const at::Tensor& input, const at::Tensor& grad
   LAMP_CHECK_FLOAT_LIKE(op, "grad_output", grad_output);
   TORCH_CHECK_TYPE(input.scalar_type() == grad_output.scalar_type(), op, ": input (", input.scalar_type(),
                    ") and grad_output (", grad_output.scalar_type(), ") must share a dtype");
-  TORCH_CHECK_VALUE(main_grad.dim() == 2, op, ": main_grad must be 2-D [out, in], got shape ", main_grad.sizes());
+  TORCH_CHECK_VALUE(main_grad.dim() == 2, op, ": main_grad must be 2-D [out, in], got shape ", dims(main_grad.sizes()));
   TORCH_CHECK_VALUE(input.dim() >= 1 && grad_output.dim() >= 1, op, ": input and grad_output need at least 1 dim");
   TORCH_CHECK_VALUE(input.sizes().slice(0, input.dim() - 1) == grad_output.sizes().slice(0, grad_output.dim() - 1),
-                    op, ": input [..., in] and grad_output [..., out] must share leading dims, got ", input.sizes(),
-                    " and ", grad_output.sizes());
+                    op, ": input [..., in] and grad_output [..., out] must share leading dims, got ", dims(input.sizes()),
+                    " and ", dims(grad_output.sizes()));
   TORCH_CHECK_VALUE(main_grad.size(0) == grad_output.size(-1) && main_grad.size(1) == input.size(-1), op,
-                    ": main_grad shape ", main_grad.sizes(), " != [out, in] = [", grad_output.size(-1), ", ",
-                    input.size(-1), "]");
+                    ": main_grad shape ", dims(main_grad.sizes()), " != [out, in] = ",
+                    dims({grad_output.size(-1), input.size(-1)}));
   LAMP_CHECK_CONTIGUOUS(op, "main_grad", main_grad);
 }
 
@@ -91,8 +91,8 @@ void check_list(const char* op, const char* name, const std::vector<at::Tensor>&
 at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale,
                               at::Tensor found_inf) {
   const char* op = "multi_tensor_scale";
-  TORCH_CHECK_VALUE(src.size() == dst.size(), op, ": src and dst must have equal length, got ", src.size(), " and ",
-                    dst.size());
+  TORCH_CHECK_VALUE(src.size() == dst.size(), op, ": src and dst must have equal length, got ", num(src.size()), " and ",
+                    num(dst.size()));
   LAMP_CHECK_NOT_EMPTY(op, "src", src);
   LAMP_CHECK_KERNEL_DEVICE(op, "src[0]", src[0]);
   const at::Device device = src[0].device();
@@ -101,10 +101,10 @@ at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vec
   TORCH_CHECK_VALUE(found_inf.device() == device, op, ": found_inf is on ", found_inf.device(),
                     " but the tensors are on ", device);
   LAMP_CHECK_DTYPE(op, "found_inf", found_inf, at::kFloat);
-  TORCH_CHECK_VALUE(found_inf.numel() == 1, op, ": found_inf must hold one element, got shape ", found_inf.sizes());
+  TORCH_CHECK_VALUE(found_inf.numel() == 1, op, ": found_inf must hold one element, got shape ", dims(found_inf.sizes()));
   for (size_t i = 0; i < src.size(); ++i) {
-    TORCH_CHECK_VALUE(src[i].sizes() == dst[i].sizes(), op, ": src[", i, "] shape ", src[i].sizes(), " != dst[", i,
-                      "] shape ", dst[i].sizes());
+    TORCH_CHECK_VALUE(src[i].sizes() == dst[i].sizes(), op, ": src[", num(i), "] shape ", dims(src[i].sizes()),
+                      " != dst[", num(i), "] shape ", dims(dst[i].sizes()));
   }
 #ifdef WITH_CUDA
   if (device.is_cuda()) return cuda::multi_tensor_scale(src, dst, scale, found_inf);
@@ -121,12 +121,9 @@ void multi_tensor_check_finite(const std::vector<at::Tensor>& tensors, at::Tenso
   TORCH_CHECK_VALUE(found_inf.device() == device, op, ": found_inf is on ", found_inf.device(),
                     " but the tensors are on ", device);
   LAMP_CHECK_DTYPE(op, "found_inf", found_inf, at::kFloat);
-  TORCH_CHECK_VALUE(found_inf.numel() == 1, op, ": found_inf must hold one element, got shape ", found_inf.sizes());
+  TORCH_CHECK_VALUE(found_inf.numel() == 1, op, ": found_inf must hold one element, got shape ", dims(found_inf.sizes()));
 #ifdef WITH_CUDA
-  if (device.is_cuda()) {  // torch's own check (an unscale by 1 rewrites the same values; fast on a GPU)
-    at::_amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, at::ones({}, found_inf.options()));
-    return;
-  }
+  if (device.is_cuda()) return cuda::multi_tensor_check_finite(tensors, found_inf);
 #endif
   cpu::multi_tensor_check_finite(tensors, found_inf);
 }

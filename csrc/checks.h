@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 namespace lamp {
 
@@ -16,6 +17,23 @@ inline bool is_float_like(at::ScalarType t) {
 }
 
 inline bool is_half_like(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// Integers and shapes in messages are text made here (std::to_string: no stream, no locale), never
+// values streamed by c10::str into its std::ostringstream. On the H200 image (extension compiled by
+// /opt/gcc's g++, run against the libstdc++ that Python loads) streaming an integer there crashed the
+// process (SIGSEGV) while strings, dtypes and devices printed fine: every bad-input message with a
+// shape, a stride or a count segfaulted (benchmarks/gpu/f667cf8).
+template <typename Int, typename = std::enable_if_t<std::is_integral_v<Int>>>
+std::string num(Int v) {
+  return std::to_string(v);
+}
+
+// "[2, 3]", as torch prints a shape.
+inline std::string dims(at::IntArrayRef d) {
+  std::string out = "[";
+  for (size_t i = 0; i < d.size(); ++i) out += (i ? ", " : "") + std::to_string(d[i]);
+  return out + "]";
+}
 
 // Whether this build has kernels for tensors on d: CPU always, CUDA when built WITH_CUDA.
 inline bool has_kernels_for(const at::Device& d) {
@@ -63,9 +81,9 @@ constexpr const char* kKernelDevices = "cpu only (built without CUDA)";
 
 #define LAMP_CHECK_CONTIGUOUS(op, name, t)                                                               \
   TORCH_CHECK_VALUE((t).is_contiguous(), op, ": ", name, " must be contiguous (got strides ",             \
-                    (t).strides(), ")")
+                    ::lamp::dims((t).strides()), ")")
 
 // A size handed to a 32-bit-int BLAS interface (MKL LP64, cuBLAS int) must fit.
 #define LAMP_CHECK_FITS_INT32(op, what, v)                                                               \
   TORCH_CHECK_VALUE((v) <= static_cast<int64_t>(std::numeric_limits<int32_t>::max()), op, ": ", what,    \
-                    " = ", (v), " exceeds the 32-bit BLAS limit 2^31-1")
+                    " = ", ::lamp::num(v), " exceeds the 32-bit BLAS limit 2^31-1")

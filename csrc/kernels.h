@@ -55,6 +55,8 @@ void wgrad_gemm_accum(const at::Tensor& x, const at::Tensor& g, at::Tensor& main
 at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale,
                               at::Tensor& found_inf);
 
+void multi_tensor_check_finite(const std::vector<at::Tensor>& tensors, at::Tensor& found_inf);
+
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors);
 
 }  // namespace cuda

@@ -21,7 +21,7 @@ void check_flag(const char* op, const char* name, const OptTensor& t, const at::
   if (!t.has_value()) return;
   TORCH_CHECK_VALUE(t->device() == device, op, ": ", name, " is on ", t->device(), " but the params are on ", device);
   TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->numel() == 1, op, ": ", name,
-                   " must be a one-element float32 tensor, got shape ", t->sizes(), " ", t->scalar_type());
+                   " must be a one-element float32 tensor, got shape ", dims(t->sizes()), " ", t->scalar_type());
 }
 
 // Checks the lists shared by every optimizer and returns the params' device (`grads` null: a pass
@@ -31,14 +31,14 @@ at::Device check_lists(const char* op, const TensorList& params, const TensorLis
                        const OptTensor& grad_scale, const OptTensor& found_inf) {
   const size_t n = params.size();
   auto check_len = [&](const char* name, const TensorList& l) {
-    TORCH_CHECK_VALUE(l.size() == n, op, ": ", name, " has ", l.size(), " tensors but params has ", n,
+    TORCH_CHECK_VALUE(l.size() == n, op, ": ", name, " has ", num(l.size()), " tensors but params has ", num(n),
                       "; all lists must have equal length");
   };
   if (grads != nullptr) check_len("grads", *grads);
   for (const auto& s : state) check_len(s.first, *s.second);
   if (steps != nullptr) check_len("steps", *steps);
-  TORCH_CHECK_VALUE(copies.empty() || copies.size() == n, op, ": model_copies has ", copies.size(),
-                    " tensors but params has ", n, " (give none or one per param)");
+  TORCH_CHECK_VALUE(copies.empty() || copies.size() == n, op, ": model_copies has ", num(copies.size()),
+                    " tensors but params has ", num(n), " (give none or one per param)");
   LAMP_CHECK_NOT_EMPTY(op, "params", params);
   LAMP_CHECK_KERNEL_DEVICE(op, "params[0]", params[0]);
   const at::Device device = params[0].device();
@@ -55,8 +55,8 @@ at::Device check_lists(const char* op, const TensorList& params, const TensorLis
     auto check_like = [&](const std::string& name, const at::Tensor& t) {
       LAMP_CHECK_DENSE(op, name, t);
       TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but ", pn, " is on ", device);
-      TORCH_CHECK_VALUE(t.sizes() == p.sizes(), op, ": ", name, " shape ", t.sizes(), " != ", pn, " shape ",
-                        p.sizes());
+      TORCH_CHECK_VALUE(t.sizes() == p.sizes(), op, ": ", name, " shape ", dims(t.sizes()), " != ", pn,
+                        " shape ", dims(p.sizes()));
       LAMP_CHECK_CONTIGUOUS(op, name, t);
     };
     if (grads != nullptr) {
@@ -81,7 +81,7 @@ at::Device check_lists(const char* op, const TensorList& params, const TensorLis
       TORCH_CHECK_VALUE(s.device() == device, op, ": ", at_index("steps", i), " is on ", s.device(), " but ", pn,
                         " is on ", device);
       TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat && s.numel() == 1, op, ": ", at_index("steps", i),
-                       " must be a one-element float32 tensor, got shape ", s.sizes(), " ", s.scalar_type());
+                       " must be a one-element float32 tensor, got shape ", dims(s.sizes()), " ", s.scalar_type());
     }
     if (!copies.empty()) {
       const std::string cn = at_index("model_copies", i);
@@ -107,7 +107,8 @@ void check_sq_norms(const char* op, const at::Tensor& sq_norms, size_t n, const 
                     device);
   LAMP_CHECK_DTYPE(op, "sq_norms", sq_norms, at::kDouble);
   TORCH_CHECK_VALUE(sq_norms.dim() == 2 && sq_norms.size(0) == static_cast<int64_t>(n) && sq_norms.size(1) == 2, op,
-                    ": sq_norms must have shape [len(params), 2] = [", n, ", 2], got ", sq_norms.sizes());
+                    ": sq_norms must have shape [len(params), 2] = ", dims({static_cast<int64_t>(n), 2}), ", got ",
+                    dims(sq_norms.sizes()));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 // items one thread takes in a row reuse a B panel of about 512 KiB from its cache. The packing walks
 // g and x in page-friendly order (see pack_a_block): walking narrow column blocks down all rows
 // spent most of a call on TLB misses on the AMX Xeon.
+#include "checks.h"
 #include "cpu/wgrad_paths.h"
 
 #include <ATen/ATen.h>
@@ -253,7 +254,7 @@ void brgemm_tn_accum(const at::Tensor& g, const at::Tensor& x, at::Tensor& c, in
   const char* why = brgemm_unusable_reason(g.scalar_type());
   TORCH_CHECK(why[0] == '\0', "wgrad_gemm_accum: the oneDNN CPU GEMM path is not usable for ", g.scalar_type(),
               ": ", why);
-  TORCH_CHECK(k_rows > 0, "wgrad_gemm_accum: k_rows must be > 0, got ", k_rows);
+  TORCH_CHECK(k_rows > 0, "wgrad_gemm_accum: k_rows must be > 0, got ", num(k_rows));
   const int64_t k = g.size(0), m = g.size(1), n = x.size(1);
   if (k == 0 || m == 0 || n == 0) return;
   const auto* gp = static_cast<const uint16_t*>(g.const_data_ptr());

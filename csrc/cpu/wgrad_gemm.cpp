@@ -269,7 +269,7 @@ constexpr int64_t kHalfMainTileElems = int64_t{1} << 22;
 }  // namespace
 
 void set_wgrad_k_chunk(int64_t rows) {
-  TORCH_CHECK_VALUE(rows >= 0, "set_wgrad_k_chunk: rows must be >= 0 (0 = automatic), got ", rows);
+  TORCH_CHECK_VALUE(rows >= 0, "set_wgrad_k_chunk: rows must be >= 0 (0 = automatic), got ", num(rows));
   g_k_chunk.store(rows);
 }
 

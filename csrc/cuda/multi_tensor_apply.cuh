@@ -22,6 +22,7 @@
 #include <limits>
 #include <vector>
 
+#include "checks.h"    // num
 #include "dispatch.h"  // dispatch_float_like
 
 namespace lamp {
@@ -73,7 +74,8 @@ __global__ void __launch_bounds__(kBlockSize) multi_tensor_apply_kernel(TensorLi
 template <int Depth, typename Functor, typename... Args>
 void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, const std::vector<int64_t>& aux,
                         Functor functor, Args... args) {
-  TORCH_CHECK(lists.size() == Depth, "multi_tensor_apply: expected ", Depth, " lists, got ", lists.size());
+  TORCH_CHECK(lists.size() == Depth, "multi_tensor_apply: expected ", num(Depth), " lists, got ",
+              num(lists.size()));
   const size_t count = lists[0].size();
   if (count == 0) return;
   TORCH_CHECK(aux.size() == count, "multi_tensor_apply: aux must hold one entry per tensor");
@@ -93,7 +95,7 @@ void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, const
     const int64_t numel = lists[0][t].numel();
     if (numel == 0) continue;
     const int64_t chunks = (numel + kChunkSize - 1) / kChunkSize;
-    TORCH_CHECK(chunks <= std::numeric_limits<int32_t>::max(), "multi_tensor_apply: tensor of ", numel,
+    TORCH_CHECK(chunks <= std::numeric_limits<int32_t>::max(), "multi_tensor_apply: tensor of ", num(numel),
                 " elements exceeds 2^31 chunks");
     for (int d = 0; d < Depth; ++d) meta.addresses[d][tensors] = lists[d][t].data_ptr();
     meta.sizes[tensors] = numel;

@@ -1,5 +1,6 @@
-// CUDA multi-tensor scale (with inf/nan flags) and L2 norm (global and per tensor), each a
-// few multi_tensor_apply launches per call regardless of the number of tensors. fp32 math.
+// CUDA multi-tensor scale (with inf/nan flags), finite check (read only) and L2 norm (global and
+// per tensor), each a few multi_tensor_apply launches per call regardless of the number of tensors.
+// fp32 math.
 // Compiled without --use_fast_math: isfinite must see inf and nan.
 #include <ATen/ATen.h>
 
@@ -35,6 +36,25 @@ struct ScaleFunctor {
     }
   }
 };
+
+// found_inf = 1 when one chunk holds inf/nan; the tensors are only read.
+template <typename T>
+struct CheckFiniteFunctor {
+  __device__ void operator()(const TensorListMetadata<1>& meta, float* found_inf) const {
+    const BlockChunk c = block_chunk(meta);
+    const T* p = static_cast<const T*>(meta.addresses[0][c.tensor]);
+    int bad = 0;
+    for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) bad |= !isfinite(static_cast<float>(p[i]));
+    if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.f;
+  }
+};
+
+// The positions of tensors grouped by dtype: one multi_tensor_apply per dtype present.
+std::map<at::ScalarType, std::vector<int64_t>> by_dtype(const std::vector<at::Tensor>& tensors) {
+  std::map<at::ScalarType, std::vector<int64_t>> groups;
+  for (int64_t t = 0; t < static_cast<int64_t>(tensors.size()); ++t) groups[tensors[t].scalar_type()].push_back(t);
+  return groups;
+}
 
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float warp_sums[kBlockSize / 32];
@@ -112,6 +132,17 @@ at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vec
   return flags;
 }
 
+void multi_tensor_check_finite(const std::vector<at::Tensor>& tensors, at::Tensor& found_inf) {
+  for (const auto& group : by_dtype(tensors)) {
+    std::vector<std::vector<at::Tensor>> lists(1);
+    for (int64_t t : group.second) lists[0].push_back(tensors[t]);
+    dispatch_float_like(group.first, "multi_tensor_check_finite", [&](auto tag) {
+      using T = decltype(tag);
+      multi_tensor_apply<1>(lists, group.second, CheckFiniteFunctor<T>(), found_inf.data_ptr<float>());
+    });
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors) {
   const int64_t count = static_cast<int64_t>(tensors.size());
   const auto options = tensors[0].options();
@@ -120,9 +151,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(const std::vector<at::Ten
     offsets[t + 1] = offsets[t] + (tensors[t].numel() + kChunkSize - 1) / kChunkSize;
   }
   at::Tensor partials = at::empty({std::max<int64_t>(offsets[count], 1)}, options.dtype(at::kFloat));
-  std::map<at::ScalarType, std::vector<int64_t>> groups;
-  for (int64_t t = 0; t < count; ++t) groups[tensors[t].scalar_type()].push_back(t);
-  for (const auto& group : groups) {
+  for (const auto& group : by_dtype(tensors)) {
     const at::ScalarType dtype = group.first;
     const std::vector<int64_t>& members = group.second;
     std::vector<std::vector<at::Tensor>> lists(1);

@@ -45,7 +45,7 @@ cudaDataType_t cuda_type(at::ScalarType t) {
   do {                                                                                            \
     const cublasStatus_t status_ = (expr);                                                        \
     TORCH_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "wgrad_gemm_accum: ", #expr, " failed: ",      \
-                cublasGetStatusString(status_), " (", static_cast<int>(status_), ")");            \
+                cublasGetStatusString(status_), " (", ::lamp::num(static_cast<int>(status_)), ")");\
   } while (0)
 
 // c[r0 + r, :] (row-major fp32, row stride n_in) += g[k, r0 + r]^T @ x[k, :] for r < rows: the

@@ -11,8 +11,13 @@ still skips the step:
   does) can overflow although no single value does;
 * a complex grad through ``torch.view_as_real`` (a real view of its storage).
 
-Host cost on the common path (dense real grads only): one ``is_complex`` read per grad; a sparse
-grad is found by the dispatcher, which refuses the foreach call as a whole before any work.
+Host cost on the common path (dense real grads only): a layout and an ``is_complex`` read per grad.
+
+torch's CUDA kernel of the check-and-unscale takes float32 and float16 only (torch 2.11-2.14:
+"not implemented for 'BFloat16'", and with mixed dtypes it may have unscaled some tensors before it
+refuses one). bfloat16 grads on CUDA (O3 with a loss scale) are checked by
+``ops.multi_tensor_check_finite`` and unscaled by one ``torch._foreach_mul_`` instead: the same flag
+and values, one extra read of those grads.
 """
 from __future__ import annotations
 
@@ -45,19 +50,31 @@ def check_and_unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Te
     """``grads *= inv_scale`` in place and ``found_inf`` (0-dim fp32) set to 1.0 if any holds inf/nan,
     for grads of any kind on ``found_inf``'s device (see the module docstring); no host read."""
     grads = list(grads)
-    if not any(map(Tensor.is_complex, grads)):
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-            return
-        except NotImplementedError:  # no kernel for a sparse layout: refused before any tensor was touched
-            if all(g.layout == torch.strided for g in grads):
-                raise
+    if all(map(is_dense_real, grads)):
+        _dense_check_and_unscale_(grads, found_inf, inv_scale)
+        return
     others = [g for g in grads if not is_dense_real(g)]
     views = [g for g in grads if is_dense_real(g)] + [real_values(g) for g in others]
-    torch._amp_foreach_non_finite_check_and_unscale_(views, found_inf, inv_scale)
+    _dense_check_and_unscale_(views, found_inf, inv_scale)
     summed = _coalesced_half_values(others)
     if summed:
-        torch._amp_foreach_non_finite_check_and_unscale_(summed, found_inf, torch.ones_like(inv_scale))
+        _dense_check_and_unscale_(summed, found_inf, torch.ones_like(inv_scale))
+
+
+def torch_unscale_takes(t: Tensor) -> bool:
+    """Whether torch's ``_amp_foreach_non_finite_check_and_unscale_`` has a kernel for ``t``'s device and
+    dtype (its CUDA kernel has none for bfloat16)."""
+    return not (t.is_cuda and t.dtype == torch.bfloat16)
+
+
+def _dense_check_and_unscale_(tensors: List[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    theirs = [t for t in tensors if torch_unscale_takes(t)]
+    if theirs:
+        torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_inf, inv_scale)
+    ours = [t for t in tensors if not torch_unscale_takes(t)]
+    if ours:
+        ops.multi_tensor_check_finite(ours, found_inf)
+        torch._foreach_mul_(ours, inv_scale)
 
 
 def check_finite(grads: Sequence[Tensor], found_inf: Tensor) -> None:

@@ -102,8 +102,8 @@ def multi_tensor_check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> T
     (dense, floating) is inf or nan, reading them only; it is never cleared. Returns ``found_inf``.
 
     The check before a step that unscales inside its own kernel: ``torch._amp_foreach_non_finite_check_and_unscale_``
-    with an inverse scale of 1 gives the same flag but writes every tensor back (CPU: one read-only
-    parallel pass here instead; CUDA: torch's op)."""
+    with an inverse scale of 1 gives the same flag but writes every tensor back (and has no CUDA kernel
+    for bfloat16); here one read-only pass over every dtype, on the CPU and on CUDA."""
     if isinstance(found_inf, Tensor) and _ext._ext_for(found_inf.device) is not None and _ext_accepts(tensors):
         live = [t for t in tensors if t.numel()]
         if live:

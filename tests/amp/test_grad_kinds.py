@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_amp import AmpPrecision
+from lightning_amp.amp import grad_kinds
 from lightning_amp.amp.grad_kinds import check_and_unscale_, check_finite
 from lightning_amp.amp.module_cast import cast_floating
 
@@ -269,6 +270,54 @@ def test_check_and_unscale_every_kind_against_float64():
         found = torch.zeros(())
         check_and_unscale_(bad, found, torch.tensor(1.0))
         assert found.item() == 1.0, f"non-finite value in grad {i} ({grad.layout}, {grad.dtype}) not found"
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("route_bf16_ours", [False, True], ids=["as-the-device-needs", "bf16-through-ours"])
+def test_dense_grads_of_every_dtype_are_unscaled_against_float64(device, route_bf16_ours, monkeypatch):
+    """float32, float16 and bfloat16 grads in one call (O3 with a loss scale: torch's CUDA kernel has
+    no bfloat16): each unscaled to within its rounding of the fp64 product, the flag set by a
+    non-finite value in any one of them, and on CUDA bf16 through ops.multi_tensor_check_finite +
+    _foreach_mul_. On the CPU the bf16 route is forced too: both routes give torch's own bits."""
+    if route_bf16_ours:
+        monkeypatch.setattr(grad_kinds, "torch_unscale_takes", lambda t: t.dtype != torch.bfloat16)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.bfloat16]
+    grads = [(torch.randn(1000 + 7 * i, generator=gen) * 100).to(d).to(device) for i, d in enumerate(dtypes)]
+    inv = torch.tensor(1 / 1024.0 * 3, device=device)  # not a power of two: every product rounds
+    expected = [g.double() * inv.double() for g in grads]
+    found = torch.zeros((), device=device)
+    check_and_unscale_(grads, found, inv)
+    assert found.item() == 0.0
+    for g, e in zip(grads, expected):
+        # fp32 product rounded (0.5 ulp of fp32), then into the grad's dtype (0.5 ulp of it)
+        assert torch.allclose(g.double(), e, rtol=torch.finfo(g.dtype).eps, atol=0), g.dtype
+    if device == "cpu":  # the forced route equals torch's op bit for bit
+        ref = [g.clone() for g in grads]
+        torch._amp_foreach_non_finite_check_and_unscale_(ref, torch.zeros(()), inv)
+        check_and_unscale_(grads, torch.zeros(()), inv)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+    for i in range(len(grads)):
+        bad = [g.clone() for g in grads]
+        bad[i][-1] = math.inf
+        found = torch.zeros((), device=device)
+        check_and_unscale_(bad, found, inv)
+        assert found.item() == 1.0, f"inf in grad {i} ({dtypes[i]}) not found"
+
+
+@pytest.mark.cuda
+@CUDA
+def test_torchs_cuda_unscale_still_lacks_bfloat16():
+    """The reason bf16 CUDA grads take our route (docs/architecture.md, torch internals): the day torch's
+    CUDA kernel takes bfloat16 this fails, and grad_kinds.torch_unscale_takes can say yes to it."""
+    with pytest.raises(NotImplementedError, match="BFloat16"):
+        torch._amp_foreach_non_finite_check_and_unscale_([torch.ones(4, device="cuda", dtype=torch.bfloat16)],
+                                                         torch.zeros((), device="cuda"),
+                                                         torch.ones((), device="cuda"))
 
 
 def test_half_sparse_grad_that_overflows_when_coalesced_is_found():

@@ -172,15 +172,20 @@ def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+CUDA_DEVICE = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                              reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA_DEVICE])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=str)
-def test_check_finite_finds_each_position_and_reads_only(dtype, bad):
+def test_check_finite_finds_each_position_and_reads_only(dtype, bad, device):
     """One non-finite value anywhere (the first element, a vector's last lane, a chunk boundary, the
     tail) sets the flag; finite lists leave it 0; the tensors are left bit for bit (read only)."""
     seed = torch.seed()
-    tensors = _randn_list(SHAPES, [dtype] * len(SHAPES), seed)
+    tensors = [t.to(device) for t in _randn_list(SHAPES, [dtype] * len(SHAPES), seed)]
     for name, fn in CHECK_IMPLS:
-        found = torch.zeros(())
+        found = torch.zeros((), device=device)
         before = [t.clone() for t in tensors]
         fn(tensors, found)
         assert found.item() == 0.0, (name, seed)
@@ -192,7 +197,7 @@ def test_check_finite_finds_each_position_and_reads_only(dtype, bad):
                 broken = [x.clone() for x in tensors]
                 broken[t].view(-1)[pos] = bad
                 snapshot = [x.clone() for x in broken]
-                found = torch.zeros(())
+                found = torch.zeros((), device=device)
                 fn(broken, found)
                 assert found.item() == 1.0, (name, t, pos, seed)
                 assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(broken, snapshot)), name
