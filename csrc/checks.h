@@ -19,10 +19,12 @@ inline bool is_float_like(at::ScalarType t) {
 inline bool is_half_like(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
 // Integers and shapes in messages are text made here (std::to_string: no stream, no locale), never
-// values streamed by c10::str into its std::ostringstream. On the H200 image (extension compiled by
-// /opt/gcc's g++, run against the libstdc++ that Python loads) streaming an integer there crashed the
-// process (SIGSEGV) while strings, dtypes and devices printed fine: every bad-input message with a
-// shape, a stride or a count segfaulted (benchmarks/gpu/f667cf8).
+// values streamed by c10::str into its std::ostringstream. On the H200 image (the extension compiled
+// by its /opt/gcc g++, run against the libstdc++ Python loads) every bad-input message that streamed
+// an integer or a shape killed the process (SIGSEGV) while every message of strings, dtypes and
+// devices raised: 28 CUDA cases at f667cf8 (benchmarks/gpu/f667cf8). The mechanism (most likely a
+// libstdc++ newer at compile time than at run time) was not confirmed there; text made without a
+// stream avoids that path either way. tests/ops/test_csrc_messages.py keeps every message so.
 template <typename Int, typename = std::enable_if_t<std::is_integral_v<Int>>>
 std::string num(Int v) {
   return std::to_string(v);

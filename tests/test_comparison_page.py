@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import itertools
 import re
 from pathlib import Path
 
@@ -36,8 +37,10 @@ def _section(text: str, heading: str) -> str:
 
 def _rows(section: str) -> list:
     """The cells of every body row of the first Markdown table in ``section``."""
-    lines = [line for line in section.splitlines() if line.startswith("|")]
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = itertools.takewhile(lambda line: line.startswith("|"), lines[start:])
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in list(table)[2:]]
 
 
 def _defines(path: Path, name: str) -> bool:

@@ -28,8 +28,8 @@ namespace lamp {
 namespace cuda {
 namespace {
 
-cudaDataType_t cuda_type(at::ScalarType t) {
-  switch (t) {
+cudaDataType_t cuda_type(at::ScalarType dtype) {
+  switch (dtype) {
     case at::kFloat:
       return CUDA_R_32F;
     case at::kHalf:
@@ -37,7 +37,7 @@ cudaDataType_t cuda_type(at::ScalarType t) {
     case at::kBFloat16:
       return CUDA_R_16BF;
     default:
-      TORCH_CHECK_TYPE(false, "wgrad_gemm_accum: unsupported dtype ", t);
+      TORCH_CHECK_TYPE(false, "wgrad_gemm_accum: unsupported dtype ", dtype);
   }
 }
 
