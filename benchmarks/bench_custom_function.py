@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from lightning_amp.amp import function_backward, o2_policy
+from lightning_amp.amp import function_backward
+from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.bench.worker import device_description
 
 

@@ -28,7 +28,7 @@ import time
 import torch
 from torch import nn
 
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.amp.forward import forward_context
 from lightning_amp.amp.levels import resolve_properties
 from lightning_amp.amp.module_cast import prepare_o2_module_

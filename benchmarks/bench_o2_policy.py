@@ -1,4 +1,4 @@
-"""Host cost of O2's op policy (``lightning_amp.amp.o2_policy``, ``csrc/o2_policy.cpp``) on the CPU.
+"""Host cost of O2's op policy (``lightning_amp.amp.o2.policy``, ``csrc/o2_policy.cpp``) on the CPU.
 
 Prints, as medians over interleaved rounds of the calling thread's CPU time:
 
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 
 
 def _median_us(fn, rounds: int, reps: int) -> float:

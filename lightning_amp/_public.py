@@ -9,13 +9,13 @@ _warn_if_untested(_torch.__version__)  # a torch outside the tested range: one w
 
 from lightning_amp.amp.casts import (float_function, half_function, promote_function,  # noqa: E402
                                       register_float_function, register_half_function, register_promote_function)
-from lightning_amp.amp.ladder_rules import LadderRules  # noqa: E402
+from lightning_amp.amp.ladder.rules import LadderRules  # noqa: E402
 from lightning_amp.amp.runtime import AmpRuntime  # noqa: E402
 from lightning_amp.amp.scaler import LossScaler  # noqa: E402
 from lightning_amp.optimizers import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD  # noqa: E402
 from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from lightning_amp.parallel.strategy import TensorParallelStrategy  # noqa: E402  (registers "tp_fused")
-from lightning_amp.precision import (AmpAutoPlugin, AmpAutoPrecision, AmpO0Plugin, AmpO0Precision,  # noqa: E402
+from lightning_amp.trainer.strategy import TensorParallelStrategy  # noqa: E402  (registers "tp_fused")
+from lightning_amp.trainer.precision import (AmpAutoPlugin, AmpAutoPrecision, AmpO0Plugin, AmpO0Precision,  # noqa: E402
                                      AmpO1Plugin, AmpO1Precision, AmpO2Plugin, AmpO2Precision, AmpO3Plugin,
                                      AmpO3Precision, AmpPrecision, main_params)
 from lightning_amp.fabric.strategy import TensorParallelStrategy as _FabricTensorParallelStrategy  # noqa: E402,F401  (registers "tp_fused" for Fabric)

@@ -1,4 +1,4 @@
-"""What the Trainer plugin (:mod:`lightning_amp.precision`) and the Fabric plugin
+"""What the Trainer plugin (:mod:`lightning_amp.trainer.precision`) and the Fabric plugin
 (:mod:`lightning_amp.fabric.precision`) share: their constructor (the options of one opt level, building the
 :class:`~lightning_amp.amp.runtime.AmpRuntime` each holds as ``plugin.amp``), their read-only views of it,
 their names, and the per-level classes made from :data:`~lightning_amp.amp.levels.LEVEL_DEFAULTS`.
@@ -12,8 +12,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_amp._keywords import checks_keywords
-from lightning_amp.amp.ladder import AmpLadder
-from lightning_amp.amp.ladder_rules import LadderRules
+from lightning_amp.amp.ladder.ladder import AmpLadder
+from lightning_amp.amp.ladder.rules import LadderRules
 from lightning_amp.amp.levels import (LEVEL_SUMMARIES, OPT_LEVELS, AmpProperties, DtypeName, NormPolicyName,
                                       OptLevelName, OutputDtypeName)
 from lightning_amp.amp.runtime import AmpRuntime, is_auto
@@ -73,7 +73,7 @@ class AmpPluginBase:
             either way (Fabric hands a precision plugin no logger).
         ladder: with ``opt_level="auto"``: the rungs, ``[("O2", 128.0), ("O1", 128.0), ("O1", "dynamic")]`` style
             (levels O0-O2, a loss scale for float16 only); None: that default for float16, O2 -> O1 -> O0 for bfloat16.
-        ladder_rules: with ``opt_level="auto"``: a :class:`~lightning_amp.amp.ladder_rules.LadderRules` (None: its defaults).
+        ladder_rules: with ``opt_level="auto"``: a :class:`~lightning_amp.amp.ladder.rules.LadderRules` (None: its defaults).
             The dynamic-scaler keywords then configure the ladder's dynamic rungs (its static rungs ignore them).
 
     Properties: ``loss_scale`` (current scale of the first optimizer), ``loss_scales`` (all),

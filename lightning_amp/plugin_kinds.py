@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.connectors import accelerator_connector as traine
 
 from lightning_amp.fabric.precision import FabricAmpPrecision
 from lightning_amp.plugin_base import AmpPluginBase, plugin_name
-from lightning_amp.precision import AmpPrecision
+from lightning_amp.trainer.precision import AmpPrecision
 
 
 def wrong_lightning(plugin: AmpPluginBase) -> TypeError:

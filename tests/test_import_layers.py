@@ -8,7 +8,7 @@ import lightning_amp
 
 _AMP = pathlib.Path(lightning_amp.__file__).parent / "amp"
 #: imported by every layer and by the ``lightning-amp`` command's argument parsing, which imports no torch
-_BOTTOM = ("lightning_amp._keywords", "lightning_amp._dtype_names", "lightning_amp._command")
+_BOTTOM = ("lightning_amp._keywords", "lightning_amp._dtype_names", "lightning_amp._command", "lightning_amp._moved")
 _BELOW_AMP = ("lightning_amp.amp", "lightning_amp.ops", *_BOTTOM)
 
 
@@ -27,21 +27,44 @@ def _imports(path: pathlib.Path) -> list:
 
 def test_amp_imports_nothing_above_it():
     offending = {}
-    for path in sorted(_AMP.glob("*.py")):
+    for path in sorted(_AMP.rglob("*.py")):  # the sub-packages (ladder/, o2/) too
         up = [m for m in _imports(path) if (m.startswith("lightning_amp.") and not m.startswith(_BELOW_AMP))
               or m.split(".")[0] in ("lightning", "pytorch_lightning")]
         if up:
-            offending[path.name] = up
+            offending[str(path.relative_to(_AMP))] = up
     assert not offending, f"amp/ imports upwards: {offending}"
 
 
+_PARALLEL = _AMP.parent / "parallel"
+_BELOW_PARALLEL = ("lightning_amp.parallel", "lightning_amp.amp", "lightning_amp.ops", *_BOTTOM)
+
+
+def test_parallel_imports_no_lightning_and_no_glue():
+    """The tensor-parallel machinery is framework-free: the strategies (trainer/, fabric/, strategy_base.py) drive it
+    through TensorParallelRuntime; nothing in parallel/ imports Lightning or a module above it (the files at old
+    import paths excepted: they only point at the new ones)."""
+    offending = {}
+    for path in sorted(_PARALLEL.rglob("*.py")):
+        if path.name in ("strategy.py", "strategy_mixin.py"):  # old paths (lightning_amp._moved)
+            continue
+        up = [m for m in _imports(path) if (m.startswith("lightning_amp.") and not m.startswith(_BELOW_PARALLEL))
+              or m.split(".")[0] in ("lightning", "pytorch_lightning")]
+        if up:
+            offending[path.name] = up
+    assert not offending, f"parallel/ imports upwards: {offending}"
+
+
 def test_amp_modules_import_no_circle():
+    def name(path):  # "runtime", "ladder.rules": a module's dotted path under amp/
+        return ".".join(path.relative_to(_AMP).with_suffix("").parts)
+
+    modules = {name(path) for path in _AMP.rglob("*.py") if path.name != "__init__.py"}
     graph = {}
-    for path in sorted(_AMP.glob("*.py")):
+    for path in sorted(_AMP.rglob("*.py")):
         if path.name == "__init__.py":
             continue
-        graph[path.stem] = {m.rsplit(".", 1)[1] for m in _imports(path)
-                            if m.startswith("lightning_amp.amp.") and m.count(".") == 2} - {path.stem}
+        imported = {m.removeprefix("lightning_amp.amp.") for m in _imports(path) if m.startswith("lightning_amp.amp.")}
+        graph[name(path)] = (imported & modules) - {name(path)}
 
     def cycle_from(node, trail):
         if node in trail:

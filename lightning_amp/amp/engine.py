@@ -7,7 +7,7 @@ what happens when a skipped step reaches the host (names of the offending params
 a warning after every ``OVERFLOW_WARN_AFTER`` overflows in a row, the grads dropped), and the
 scaler part of checkpoints. The optimizers step the module's own params at every level (under O2
 those are fp32 and autocast gives forward their half copies, :mod:`lightning_amp.amp.forward`), so nothing
-here maps params to other tensors. The Lightning plugin (``lightning_amp.precision``) only calls
+here maps params to other tensors. The Lightning plugin (``lightning_amp.trainer.precision``) only calls
 into it from its hooks.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@
   outside, writes to it are seen by the next op, ``torch.func.functional_call`` and deep copies work,
   and an fp32 class weight, mask or buffer meets half activations without a dtype error. With
   ``norm_policy="half"`` (the default) O2's op policy is active on the thread
-  (:mod:`~lightning_amp.amp.o2_policy`): norms, softmax and the math autocast would upcast run in the
+  (:mod:`~lightning_amp.amp.o2.policy`): norms, softmax and the math autocast would upcast run in the
   activations' half dtype, embeddings and Parameters combined with half tensors are cast to half, as
   under ``bf16-true``; losses stay fp32. ``norm_policy="fp32"`` leaves autocast's lists as they are.
 * O3: the half ``dtype`` is torch's *default dtype* (the model is half, as under Lightning's
@@ -28,7 +28,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from lightning_amp.amp import function_backward, o2_policy
+from lightning_amp.amp import function_backward
+from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.amp.casts import cast_context
 from lightning_amp.amp.levels import AmpProperties
 from lightning_amp.amp.module_cast import default_dtype
@@ -43,7 +44,7 @@ def uses_o2_policy(props: AmpProperties) -> bool:
 @contextlib.contextmanager
 def forward_context(props: AmpProperties, device_type: str) -> Iterator[None]:
     """The forward context of the level ``props`` on a device of type ``device_type`` ("cpu", "cuda", ...).
-    O2's op policy applies only where :func:`~lightning_amp.amp.o2_policy.hold` registered it."""
+    O2's op policy applies only where :func:`~lightning_amp.amp.o2.policy.hold` registered it."""
     if props.autocast:
         with torch.autocast(device_type, dtype=props.dtype, cache_enabled=False), cast_context(props.dtype, device_type):
             if uses_o2_policy(props):

@@ -1,7 +1,7 @@
 """Custom ``torch.autograd.Function``\\ s called inside O2's forward: their backward runs under that forward's autocast.
 
 O2's op policy casts an fp32 Parameter to half where it meets a half tensor in an elementwise op
-(:mod:`~lightning_amp.amp.o2_policy`). A user's Function whose forward computes ``x @ w.t() + b`` from a
+(:mod:`~lightning_amp.amp.o2.policy`). A user's Function whose forward computes ``x @ w.t() + b`` from a
 module's Parameters therefore returns half where ``bf16-mixed`` returns fp32 (its ``+ b`` promotes), and
 its backward gets a half gradient ``g`` that meets the fp32 ``w`` it saved: ``g @ w`` raises torch's dtype
 error outside autocast. ``torch.amp.custom_bwd`` is torch's answer for such Functions: their backward runs
@@ -36,7 +36,7 @@ from typing import Any, List, Tuple
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.amp.process_state import ProcessChange
 
 _LEFT_ALONE = ("torch.", "lightning_amp.")

@@ -6,7 +6,7 @@ patched, a kernel registered on autocast's dispatch keys, a global module hook. 
 under one lock), named, and listed in :data:`CHANGES`, so :func:`active` can say what is in effect now, e.g.
 ``{"torch functions patched by the cast lists": 1}`` inside an O1 forward and ``{}`` after a run. The
 modules that own a mechanism give it its apply and undo functions (:mod:`~lightning_amp.amp.casts`,
-:mod:`~lightning_amp.amp.function_backward`, :mod:`~lightning_amp.amp.o2_policy`,
+:mod:`~lightning_amp.amp.function_backward`, :mod:`~lightning_amp.amp.o2.policy`,
 :mod:`~lightning_amp.amp.recompute`); the counting, the locking and the report live here only.
 
 docs/architecture.md ("Process-wide state") lists each change, its fence and the test that it is gone after

@@ -5,7 +5,7 @@ re-runs parts of the forward during backward, outside the plugin's forward conte
 the autocast and RNG state of the original forward there, not what a level adds on top
 (:func:`~lightning_amp.amp.forward.recompute_state`):
 
-* O2's op policy (:mod:`~lightning_amp.amp.o2_policy`), which is per thread: the recompute would
+* O2's op policy (:mod:`~lightning_amp.amp.o2.policy`), which is per thread: the recompute would
   upcast norms and softmax where forward kept them half;
 * O3's half default dtype: tensors made without a dtype would be fp32.
 

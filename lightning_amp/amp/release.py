@@ -5,7 +5,7 @@
 every hook and patch lightning_amp put on the module tree (the output cast, the fp32-BatchNorm
 hooks, the metrics' ``_apply``), so ``torch.jit.script``, ``torch.export``, ``copy.deepcopy`` and
 ``torch.save`` of the model work, and the saved model loads where lightning_amp is not installed. The
-next run's preparation puts them back. (O2's op policy, :mod:`~lightning_amp.amp.o2_policy`, is no
+next run's preparation puts them back. (O2's op policy, :mod:`~lightning_amp.amp.o2.policy`, is no
 part of the model: the plugin releases its hold beside this.)
 
 What the user then holds, per level (calling it directly, outside any Trainer):

@@ -19,7 +19,7 @@ Lifecycle: ``resolve_for(device_type)`` (optional: dtype "auto" and the forward'
 :mod:`~lightning_amp.amp.forward` (the forward), :class:`~lightning_amp.amp.engine.AmpEngine` (the
 optimizers, their scalers and steps), :mod:`~lightning_amp.amp.release` (the end of a run).
 
-``opt_level="auto"`` runs the precision ladder (:class:`~lightning_amp.amp.ladder.AmpLadder`, ``amp.ladder``)
+``opt_level="auto"`` runs the precision ladder (:class:`~lightning_amp.amp.ladder.ladder.AmpLadder`, ``amp.ladder``)
 inside the same calls: :meth:`step` snapshots before and decides after each step of the first optimizer, and a
 move rolls back :meth:`rollback_objects` (the model, every optimizer, :attr:`rollback_extras`). A loop that runs
 its forward and backward inside the step (the Trainer's closure) calls :meth:`begin_step` first::
@@ -28,7 +28,7 @@ its forward and backward inside the step (the Trainer's closure) calls :meth:`be
     amp.rollback_extras["scheduler"] = scheduler        # what else a rollback restores
     ... as above; amp.log_loss(loss) feeds the loss-spike rule ...
 
-O2's op policy (:mod:`~lightning_amp.amp.o2_policy`) is registered process-wide while held:
+O2's op policy (:mod:`~lightning_amp.amp.o2.policy`) is registered process-wide while held:
 ``prepare(module, hold_policy=True)`` holds it until :meth:`release` (a Trainer run);
 ``hold_policy=False`` holds it for each forward context only (Fabric, which has no end of run); a
 recomputing backward holds it for its own duration either way.
@@ -46,12 +46,12 @@ from torch.nn import Module
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
-from lightning_amp.amp.ladder import AmpLadder
-from lightning_amp.amp.ladder_rules import LadderRules
+from lightning_amp.amp.ladder.ladder import AmpLadder
+from lightning_amp.amp.ladder.rules import LadderRules
 from lightning_amp.amp.levels import AmpProperties, LossScaleSpec, resolve_properties
 from lightning_amp.amp.module_cast import (cast_floating, cast_module_, cast_outputs_hook, default_dtype,
                                            prepare_o2_module_)
-from lightning_amp.amp.o2_policy import PolicyHold, held as held_o2_policy, hold as hold_o2_policy
+from lightning_amp.amp.o2.policy import PolicyHold, held as held_o2_policy, hold as hold_o2_policy
 from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.release import release_module_
 from lightning_amp.amp.scaler import SCALER_DEFAULTS, LossScaler, check_scaler_keywords, checked_scaler_options
@@ -89,8 +89,8 @@ class AmpRuntime:
         combine_grad, fused_update: as :class:`~lightning_amp.amp.step.OptimizerStep`.
         device_type: where the model computes ("cpu", "cuda", ...); None: "cuda" when available, else "cpu".
         warn: how warnings are issued (the Lightning plugins pass a rank-zero warn).
-        ladder, ladder_rules: with "auto": the rungs and the :class:`~lightning_amp.amp.ladder_rules.LadderRules`
-            (:class:`~lightning_amp.amp.ladder.AmpLadder`; None: the defaults).
+        ladder, ladder_rules: with "auto": the rungs and the :class:`~lightning_amp.amp.ladder.rules.LadderRules`
+            (:class:`~lightning_amp.amp.ladder.ladder.AmpLadder`; None: the defaults).
 
     Raises ValueError (TypeError for an unknown scaler keyword) naming the argument for any invalid option, at
     construction.

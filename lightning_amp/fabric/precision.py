@@ -8,7 +8,7 @@
   the Parameters stay fp32 and forward runs under autocast with O2's op policy,
   :mod:`lightning_amp.amp.forward`), so the optimizer the user built over ``model.parameters()`` steps
   the module's own fp32 params. Fabric has no end of run: O2's op policy
-  (:mod:`lightning_amp.amp.o2_policy`) is registered for each forward context (and a recomputing
+  (:mod:`lightning_amp.amp.o2.policy`) is registered for each forward context (and a recomputing
   backward) only, so nothing stays registered between them.
 * Fabric never hands a precision plugin its optimizers: each optimizer is connected to the engine
   the first time the plugin sees it (``optimizer_step``, ``unscale_gradients``, i.e. the first

@@ -1,7 +1,7 @@
 """TensorParallelStrategy for Lightning Fabric: ``Fabric(strategy="tp_fused", devices=N)``.
 
 The Trainer strategy of the same name (:class:`lightning_amp.TensorParallelStrategy`) in a
-hand-written Fabric loop; both are :class:`~lightning_amp.parallel.strategy_mixin.TensorParallelStrategyMixin`
+hand-written Fabric loop; both are :class:`~lightning_amp.strategy_base.TensorParallelStrategyMixin`
 (options, sizes, groups, the one model setup, the step's bookkeeping), this file maps Fabric's hooks onto it.
 One process per device as ``"ddp"`` (gloo on CPU, nccl on CUDA); TP groups of
 ``tensor_parallel_size`` consecutive ranks inside a node, DP across them.
@@ -44,7 +44,7 @@ from lightning_amp._keywords import checks_keywords
 from lightning_amp.fabric.precision import FabricAmpPrecision
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.runtime import TensorParallelRuntime
-from lightning_amp.parallel.strategy_mixin import TensorParallelStrategyMixin
+from lightning_amp.strategy_base import TensorParallelStrategyMixin
 from lightning_amp.unsupported import refuse_precision_under_tp_fused
 
 _USE = ("Fabric's precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or lightning_amp.fabric's "

@@ -171,7 +171,7 @@ def extension_origin() -> Optional[str]:
 
 def extension_module():
     """The loaded compiled extension, or None (for the parts that are no per-device op: O2's autocast
-    policy, :mod:`lightning_amp.amp.o2_policy`)."""
+    policy, :mod:`lightning_amp.amp.o2.policy`)."""
     return _EXT
 
 

@@ -1,4 +1,7 @@
-"""Tensor parallelism: process groups, comm regions, parallel layers, the plan and (with Lightning) the strategy."""
+"""Tensor parallelism, framework-free: process groups, comm regions, parallel layers, the plan and its runtime.
+
+The Lightning strategies that drive it are :mod:`lightning_amp.trainer.strategy` and :mod:`lightning_amp.fabric.strategy`.
+"""
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.groups import ParallelGroups, build_groups
@@ -13,7 +16,6 @@ __all__ = [
     "ParallelMultiheadAttention",
     "RowParallelLinear",
     "TensorParallelConfig",
-    "TensorParallelStrategy",
     "apply_plan",
     "build_groups",
     "clip_grad_norm_",
@@ -21,9 +23,9 @@ __all__ = [
 ]
 
 
-def __getattr__(name):  # the strategy needs Lightning: import it only when asked for
+def __getattr__(name):  # the Trainer's strategy, here until it moved to lightning_amp.trainer (lightning_amp._moved)
     if name == "TensorParallelStrategy":
-        from lightning_amp.parallel.strategy import TensorParallelStrategy
+        from lightning_amp._moved import alias
 
-        return TensorParallelStrategy
+        return alias("lightning_amp.parallel.strategy").TensorParallelStrategy
     raise AttributeError(name)

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from lightning_amp.parallel.fused_qkv import QKVHeads
+from lightning_amp.parallel.qkv_heads import QKVHeads
 from lightning_amp.parallel.projections import is_conv1d  # noqa: F401 (re-exported)
 
 ELEMENTWISE = (

@@ -17,7 +17,6 @@ with the *per-rank* head counts (:meth:`QKVHeads.local`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -27,38 +26,7 @@ from torch import Tensor, nn
 from lightning_amp.parallel import comm
 from lightning_amp.parallel.groups import group_rank, group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear
-
-
-@dataclass(frozen=True)
-class QKVHeads:
-    """The head layout of a fused ``[q | k | v]`` weight."""
-
-    n_head: int
-    n_query_groups: int
-    head_size: int
-
-    @property
-    def blocks(self) -> tuple[int, int, int]:
-        kv = self.n_query_groups * self.head_size
-        return (self.n_head * self.head_size, kv, kv)
-
-    def problem(self, tp: int) -> Optional[str]:
-        """Why these heads cannot be split over ``tp`` ranks, or None."""
-        if self.n_head % tp:
-            return f"n_head={self.n_head} not divisible by tensor_parallel_size={tp}"
-        if self.n_query_groups % tp and tp % self.n_query_groups:
-            return (f"n_query_groups={self.n_query_groups} neither divisible by tensor_parallel_size={tp} nor "
-                    f"dividing it (so each rank's {self.n_head // tp} query heads cannot get whole key/value heads, "
-                    "split or replicated)")
-        return None
-
-    def replicated(self, tp: int) -> bool:
-        """Whether the key/value heads are replicated (fewer of them than ranks)."""
-        return self.n_query_groups % tp != 0
-
-    def local(self, tp: int) -> "QKVHeads":
-        """The heads one rank computes."""
-        return QKVHeads(self.n_head // tp, max(self.n_query_groups // tp, 1), self.head_size)
+from lightning_amp.parallel.qkv_heads import QKVHeads
 
 
 def head_used(rank: int, tp: int, n_heads: int) -> int:

@@ -40,7 +40,7 @@ from lightning_amp.parallel.data_flow import products, reach, sources
 from lightning_amp.parallel.families import Unit
 from lightning_amp.parallel.forward_graph import (ForwardGraph, ForwardUnreadable, Key, optional_inputs, read_forward,
                                                   tags_of)
-from lightning_amp.parallel.fused_qkv import QKVHeads
+from lightning_amp.parallel.qkv_heads import QKVHeads
 from lightning_amp.parallel.projections import is_conv1d, is_projection, widths_of
 
 _MAX_TRIES = 256  # attribute combinations read at most per attention

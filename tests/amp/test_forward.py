@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lightning_amp import AmpO2Precision, main_params
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.amp.casts import active_cast
 from lightning_amp.amp.forward import forward_context
 from lightning_amp.amp.levels import resolve_properties

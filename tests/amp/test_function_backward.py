@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from lightning_amp.amp import function_backward, o2_policy
+from lightning_amp.amp import function_backward
+from lightning_amp.amp.o2 import policy as o2_policy
 
 pytestmark = pytest.mark.skipif(not o2_policy.available(), reason="O2's policy needs the compiled extension")
 

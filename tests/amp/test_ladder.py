@@ -5,9 +5,9 @@ import warnings
 import pytest
 import torch
 
-from lightning_amp.amp.ladder import AmpLadder
-from lightning_amp.amp.ladder_rules import BF16_LADDER, FP16_LADDER, LadderRules, Rung, RungWatch, check_ladder
-from lightning_amp.amp.ladder_snapshot import SnapshotStore
+from lightning_amp.amp.ladder.ladder import AmpLadder
+from lightning_amp.amp.ladder.rules import BF16_LADDER, FP16_LADDER, LadderRules, Rung, RungWatch, check_ladder
+from lightning_amp.amp.ladder.snapshot import SnapshotStore
 from lightning_amp.amp.runtime import AmpRuntime, named_params
 from support.ladder_nets import BigGradNet, GainSum, full_batch
 

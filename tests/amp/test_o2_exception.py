@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_amp import AmpO2Precision
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.amp.runtime import AmpRuntime
 from lightning_amp.fabric import FabricAmpO2Precision
 from support.trainer import quiet_lightning

@@ -1,4 +1,4 @@
-"""O2's compiled autocast policy (csrc/o2_policy.cpp, lightning_amp/amp/o2_policy.py), no Lightning.
+"""O2's compiled autocast policy (csrc/o2_policy.cpp, lightning_amp/amp/o2/policy.py), no Lightning.
 
 Three claims: (1) outside O2's forward every registered kernel is torch's own (same values, same
 dtypes, other threads untouched, nothing left after the last release); (2) inside it, O2's rules
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 
 BF16, F16 = torch.bfloat16, torch.float16
 pytestmark = pytest.mark.skipif(not o2_policy.available(), reason="needs the compiled extension")
@@ -361,7 +361,7 @@ def test_on_cuda_torchs_policy_outside_and_half_inside(held):
 
 _HOLD = """
 import warnings
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with o2_policy.held():

@@ -17,7 +17,7 @@ import torchmetrics
 from torch import nn
 
 from lightning_amp import AmpO2Precision
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 from support.trainer import LossRecorder, quiet_lightning
 
 BF16 = torch.bfloat16

@@ -7,7 +7,7 @@ from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 import lightning_amp
 import lightning_amp.fabric as amp_fabric
 from lightning_amp.amp import LEVEL_DEFAULTS, AmpRuntime
-from lightning_amp.amp.o2_policy import installs
+from lightning_amp.amp.o2.policy import installs
 from lightning_amp.amp.runtime import named_params
 from lightning_amp.plugin_base import plugin_name
 

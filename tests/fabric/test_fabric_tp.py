@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as TrainerDeepSpeedSt
 
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp import AmpO2Precision
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.fabric import FabricAmpO2Precision, TensorParallelStrategy
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from support.processes import free_port, run_two_ranks

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import apply_plan
 from lightning_amp.parallel.plan import build_plan
-from lightning_amp.parallel.strategy import TensorParallelStrategy
+from lightning_amp.trainer.strategy import TensorParallelStrategy
 from support.processes import free_port
 
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.plan import build_plan
-from lightning_amp.parallel.strategy import TensorParallelStrategy
+from lightning_amp.trainer.strategy import TensorParallelStrategy
 from support.processes import free_port
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -225,7 +225,7 @@ def test_families_tp2_match_single_device_checkpoints_and_resume(tmp_path):
 
 
 def _o2_trains(tmp_path, names):
-    from lightning_amp.precision import AmpO2Precision
+    from lightning_amp.trainer.precision import AmpO2Precision
 
     losses, _ = fit(tmp_path / "o2", TensorParallelStrategy(start_method="spawn"), 2, names=names,
                     plugins=[AmpO2Precision(dtype="bfloat16")])

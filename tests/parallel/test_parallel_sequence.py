@@ -17,7 +17,7 @@ import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import apply_plan
 from lightning_amp.parallel.main_grad import MainGradBuffer
 from lightning_amp.parallel.plan import gathered_state_dict
-from lightning_amp.parallel.strategy import TensorParallelStrategy
+from lightning_amp.trainer.strategy import TensorParallelStrategy
 from support.processes import free_port
 
 VOCAB, SEQ, D, HEADS, FF = 20, 6, 16, 4, 24
@@ -288,7 +288,7 @@ def test_sequence_parallel_errors_name_the_problem():
 
 
 def _fit_epochs(out_dir, epochs, save_to, ckpt_path=None):
-    from lightning_amp.precision import AmpO2Precision
+    from lightning_amp.trainer.precision import AmpO2Precision
 
     os.environ["MASTER_PORT"] = str(free_port())
     g = torch.Generator().manual_seed(1)

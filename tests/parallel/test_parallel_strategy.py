@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import ColumnParallelLinear, ParallelMultiheadAttention, RowParallelLinear, apply_plan
-from lightning_amp.parallel.strategy import TensorParallelStrategy
+from lightning_amp.trainer.strategy import TensorParallelStrategy
 from support.processes import free_port
 
 VOCAB, SEQ, D, HEADS, FF = 24, 6, 16, 4, 32
@@ -221,7 +221,7 @@ def test_tp2_bf16_o2_matches_single_device(tmp_path):
     the params keep their fp32 init, on one element of one Adam-stepped weight; bf16 vs fp32 on one device
     differ by up to 15%). A sharded param that missed or doubled an update would be off by about 100% of
     its movement."""
-    from lightning_amp.precision import AmpO2Precision
+    from lightning_amp.trainer.precision import AmpO2Precision
 
     single, tp2 = tmp_path / "single", tmp_path / "tp2"
     single.mkdir(), tp2.mkdir()

@@ -13,7 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import lightning_amp
 from lightning_amp import AmpO0Precision, AmpO1Precision, AmpO2Precision, AmpO3Precision, AmpPrecision, main_params
-from lightning_amp import precision as precision_module
+from lightning_amp.trainer import precision as precision_module
 from lightning_amp.amp import engine as engine_module
 from lightning_amp.amp.gate import StepGate
 

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_amp import AmpO1Precision, AmpO2Precision, AmpO3Precision, main_params
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 from support.trainer import LossRecorder, quiet_lightning
 
 try:

@@ -17,7 +17,7 @@ GPU, and the decision is taken when they land; the training loss is read on logg
 (:meth:`AmpLadder.log_loss`, a non-blocking copy read once landed).
 
 A move (:meth:`AmpLadder.move`): the flags on their way are waited for, the good snapshot is restored
-(:class:`~lightning_amp.amp.ladder_snapshot.SnapshotStore`; the run's data goes on: the batches since then
+(:class:`~lightning_amp.amp.ladder.snapshot.SnapshotStore`; the run's data goes on: the batches since then
 are not replayed), the runtime changes level (:meth:`AmpRuntime.change_level`: the model re-prepared
 without new Parameters, fresh scalers at the new rung's scale), and a warning names the rule, the step,
 the params the overflow forensics named, and the old and new rung. Under several processes every rank
@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_amp.amp.ladder_rules import RUNG_ORDER, LadderRules, Rung, RungWatch, check_ladder, rung_height
-from lightning_amp.amp.ladder_snapshot import SnapshotStore
+from lightning_amp.amp.ladder.rules import RUNG_ORDER, LadderRules, Rung, RungWatch, check_ladder, rung_height
+from lightning_amp.amp.ladder.snapshot import SnapshotStore
 from lightning_amp.amp.levels import resolve_properties
 
 _STATE_VERSION = 1
@@ -85,8 +85,8 @@ class AmpLadder:
 
     Args:
         ladder: the rungs, ``[("O2", 128.0), ("O1", 128.0), ("O1", "dynamic")]`` style (levels O0-O2; a loss scale
-            for float16 only; None: :data:`~lightning_amp.amp.ladder_rules.FP16_LADDER` or ``BF16_LADDER``).
-        rules: :class:`~lightning_amp.amp.ladder_rules.LadderRules` (None: the defaults).
+            for float16 only; None: :data:`~lightning_amp.amp.ladder.rules.FP16_LADDER` or ``BF16_LADDER``).
+        rules: :class:`~lightning_amp.amp.ladder.rules.LadderRules` (None: the defaults).
         warn: how warnings are issued (the plugins pass a rank-zero warn).
     """
 
