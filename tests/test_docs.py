@@ -8,6 +8,11 @@ is ``# needs: <need> [and <need>] [(comment)]`` naming a need of :data:`NEEDS` t
 (a CUDA GPU, apex, litgpt: the last required under ``CI=true``, see tests/support/optional_deps.py); an unknown need fails. Which blocks there are is counted per page against the pages
 on disk. Bash blocks are checked for shell syntax (``bash -n``): a usage line such as
 ``[--size tiny|small|base]`` pasted into a command is a pipe to bash.
+
+A block that checks its result (an ``assert``) runs once per global seed of :data:`GLOBAL_SEEDS`, in one process
+(``random``, ``numpy`` and torch seeded before the block runs, the block's own seeding after): what it asserts
+must hold whatever was drawn before it, so a reader's run cannot fail where ours passed (the ladder's example
+failed 2 runs in 5 before it seeded its own data).
 """
 from __future__ import annotations
 
@@ -37,6 +42,19 @@ NEEDS = {
     "litgpt": lambda: available("litgpt"),  # a dev dependency: under CI=true a block needing it runs (and fails without it)
 }
 TIME_LIMIT_S = 120
+#: the global seeds a block that asserts runs under, one after another in its process
+GLOBAL_SEEDS = (0, 4, 12345)  # torch.randn(()) draws 1.54, -1.61, ... under the first two
+#: runs a block (argv[1]) once per seed of argv[2:], seeding Python's, numpy's and torch's generators first
+SEEDED_RUNS = """import random, sys
+import numpy, torch
+code = compile(open(sys.argv[1]).read(), sys.argv[1], "exec")
+for seed in map(int, sys.argv[2:]):
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+    exec(code, {"__name__": "__main__", "__file__": sys.argv[1]})
+    print(f"--- the block held under the global seed {seed}", flush=True)
+"""
 
 
 def blocks(language: str) -> list:
@@ -68,16 +86,21 @@ def unmet_needs(code: str) -> list:
     return [need for need in needs(code) if not NEEDS[need]()]
 
 
-def run_block(code: str, cwd: Path, timeout_s: float = TIME_LIMIT_S) -> None:
-    """Run ``code`` as a script in ``cwd``; ``pytest.fail`` with its output unless it exits 0 in time."""
+def run_block(code: str, cwd: Path, timeout_s: float = TIME_LIMIT_S, global_seeds: tuple = ()) -> None:
+    """Run ``code`` as a script in ``cwd`` (once per global seed of ``global_seeds``, in one process, when given);
+    ``pytest.fail`` with its output unless it exits 0 in time."""
     script = cwd / "block.py"
     script.write_text(code)
+    command = [sys.executable, str(script)]
+    if global_seeds:
+        (cwd / "seeded_runs.py").write_text(SEEDED_RUNS)
+        command = [sys.executable, str(cwd / "seeded_runs.py"), str(script), *map(str, global_seeds)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     if "a CUDA GPU" not in needs(code):
         env["CUDA_VISIBLE_DEVICES"] = ""
     with open(cwd / "block.log", "w+") as log:
-        process = subprocess.Popen([sys.executable, str(script)], cwd=cwd, env=env, stdout=log,
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = process.wait(timeout=timeout_s)
@@ -110,7 +133,7 @@ def test_python_block_runs_as_written(code, tmp_path):
     unmet = unmet_needs(code)
     if unmet:
         pytest.skip(f"needs: {' and '.join(unmet)}")
-    run_block(code, tmp_path)
+    run_block(code, tmp_path, global_seeds=GLOBAL_SEEDS if re.search(r"^\s*assert\b", code, re.M) else ())
 
 
 def _outcome(call) -> BaseException:
@@ -130,6 +153,17 @@ def test_a_block_that_fails_or_hangs_fails_and_is_never_skipped(tmp_path):
         assert isinstance(outcome, pytest.fail.Exception), (code, type(outcome))
         assert why in str(outcome), str(outcome)
     run_block("print('ok')", tmp_path)  # and a block that works passes
+
+
+@pytest.mark.slow
+def test_a_block_that_asserts_on_unseeded_draws_fails_under_some_global_seed(tmp_path):
+    """The seeded runs catch a block whose check depends on what the global generators drew (here: a
+    positive draw, about one seed in two); the same block seeding itself passes under every seed."""
+    unseeded = "import torch\nassert torch.randn(()).item() > 0\n"
+    outcome = _outcome(lambda: run_block(unseeded, tmp_path, global_seeds=GLOBAL_SEEDS))
+    assert isinstance(outcome, pytest.fail.Exception) and "AssertionError" in str(outcome)
+    seeded = "import torch\ntorch.manual_seed(3)\nassert torch.randn(()).item() > 0\n"
+    run_block(seeded, tmp_path, global_seeds=GLOBAL_SEEDS)
 
 
 @pytest.mark.slow
