@@ -18,7 +18,8 @@ PYTEST_ARGS ?=
 # GPU_CHECK_BUDGET=seconds caps the whole invocation, build included (a part that cannot fit is
 # reported NOT RUN). It runs with the python that holds torch: .venv's where there is one, else python3
 # (the offline GPU machines'), and builds the extension in place (setup.py build_ext --inplace, no
-# network). Without a GPU: says so, checks its own plumbing, exits 0. See docs/benchmarks.md.
+# network). Without a GPU: says so, checks its own plumbing, exits 0. See docs/benchmarks.md. The tooling is
+# the package gpu_check/ at the root, which no wheel holds; PYTHONPATH=$(CURDIR) imports it.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_CHECK_OUT ?= gpu-check-out
 GPU_CHECK_BUDGET ?=
@@ -73,7 +74,7 @@ pictures: install
 
 gpu-check:
 	@$(GPU_PY) -c "import torch" 2>/dev/null || { echo "gpu-check: $(GPU_PY) has no torch; run make install or set GPU_PY"; exit 2; }
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m lightning_amp.bench.gpu_check --out "$(GPU_CHECK_OUT)" $(if $(PART),--part "$(PART)") $(if $(GPU_CHECK_BUDGET),--budget $(GPU_CHECK_BUDGET))
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m gpu_check --out "$(GPU_CHECK_OUT)" $(if $(PART),--part "$(PART)") $(if $(GPU_CHECK_BUDGET),--budget $(GPU_CHECK_BUDGET))
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict

@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: tests over the threshold kept in the fast lane on purpose: the lane's only test of a lightning_amp module (what
-#: ``pytest -m "not slow" --called-modules=FILE`` reports NOT CALLED without it)
+#: tests over the threshold kept in the fast lane on purpose: the lane's only test of a module (of lightning_amp, what
+#: ``pytest -m "not slow" --called-modules=FILE`` reports NOT CALLED without it, or of make gpu-check's gpu_check/)
 KEPT_FAST = {
     "tests/bench/test_gpu_check.py::test_the_pytest_plugin_records_each_outcome_as_it_comes":
-        "lightning_amp.bench.gpu_pytest",
+        "gpu_check.pytest_log",
 }
 LINE = re.compile(r"^\s*(\d+(?:\.\d+)?)s (setup|call|teardown)\s+(\S.*?)\s*$")
 

@@ -10,7 +10,9 @@ device steps land late anyway; the simulation only holds them back further.
 The tests are laid out like the package (``tests/amp/``, ``tests/parallel/``, ...); what they share is the package
 ``tests/support/``, and this folder goes on ``sys.path`` so any test module, in any subfolder, imports it as
 ``from support.processes import free_port`` however pytest was started (from the root, a subfolder, one file,
-``--import-mode=importlib``).
+``--import-mode=importlib``). The repository root goes at the end of ``sys.path`` for the same reason: the
+``make gpu-check`` tooling that tests/bench/ tests is the package ``gpu_check/`` there, outside the installed
+package (``python -m pytest`` in the root finds it anyway; at the end, it never shadows an installed lightning_amp).
 """
 import os
 import sys
@@ -23,6 +25,9 @@ from lightning_amp.amp.gate import LAG_ENV
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+_ROOT = os.path.dirname(_HERE)
+if os.path.isdir(os.path.join(_ROOT, "gpu_check")) and _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 from support.flag_timing import LATE_STEPS  # noqa: E402  (needs _HERE on sys.path)
 

@@ -67,9 +67,27 @@ def test_wheel_carries_the_sources_in_the_package(tmp_path):
     packaged = {n.replace("lightning_amp/_csrc/", "csrc/", 1) for n in names if n.startswith("lightning_amp/_csrc/")}
     assert packaged == _tracked_sources()
     assert not [n for n in names if n.endswith((".so", "_C.build.json"))]
+    assert not [n for n in names if n.startswith("gpu_check/") or os.path.basename(n).startswith("gpu_")]
     assert any(n.endswith("licenses/LICENSE") for n in names)
     assert "License-Expression: Apache-2.0" in meta and "Requires-Python: >=3.11" in meta
     assert f"Version: {lightning_amp.__version__}" in meta
+
+
+def test_the_gpu_check_tooling_is_in_no_wheel():
+    """``make gpu-check``'s tooling, the package gpu_check/ at the root (once ``gpu_*.py`` modules of
+    lightning_amp's bench folder), is not what setuptools packages: pyproject.toml's find config, read as
+    setuptools reads it, yields no gpu_check package, and no packaged folder holds a ``gpu_*.py`` module. (The
+    built wheel's file list is checked for both in test_wheel_carries_the_sources_in_the_package.)"""
+    from setuptools import find_packages
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    assert "gpu_check" in find_packages(str(ROOT))  # a package setuptools would find, were it not left out
+    packages = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["packages"]
+    assert {"lightning_amp", "lightning_amp.bench"} <= set(packages)
+    assert not [p for p in packages if p.split(".")[0] != "lightning_amp"], packages
+    modules = [str(f.relative_to(ROOT)) for p in packages for f in (ROOT / p.replace(".", "/")).glob("*.py")]
+    assert "lightning_amp/bench/runner.py" in modules
+    assert not [m for m in modules if os.path.basename(m).startswith("gpu_")]
 
 
 @pytest.mark.slow

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from lightning_amp.bench import gpu_check
-from lightning_amp.bench.gpu_check import Part
-from lightning_amp.bench.gpu_pytest import LOG_ENV, read_outcomes
-from lightning_amp.bench.gpu_report import load_parts, write_report
-from lightning_amp.bench.gpu_targets import FAIL, INCOMPLETE, NOT_RUN, PASS, SYNC_TESTS, TARGETS, evaluate
+from gpu_check import check
+from gpu_check.check import Part
+from gpu_check.pytest_log import LOG_ENV, read_outcomes
+from gpu_check.report import load_parts, write_report
+from gpu_check.targets import FAIL, INCOMPLETE, NOT_RUN, PASS, SYNC_TESTS, TARGETS, evaluate
 from lightning_amp.bench.report import JSON_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -376,7 +376,7 @@ def test_a_part_that_ran_without_the_figure_fails():
 
 
 def test_the_headline_runs_what_the_targets_compare():
-    from lightning_amp.bench.gpu_headline import LOSS_STEPS, RUNS
+    from gpu_check.headline import LOSS_STEPS, RUNS
 
     runs = [(r.level, r.optimizer, r.o2_forward) for r in RUNS]
     assert runs[:5] == [("32-true", "example", "half"), ("bf16-mixed", "example", "half"),
@@ -426,14 +426,14 @@ def test_bench_optim_json_rows_feed_the_optimizer_targets(tmp_path, monkeypatch)
     out = tmp_path / "optim.json"
     bench_optim = _load_script("bench_optim", monkeypatch)
     assert bench_optim.main(["--device", "cpu", "--lists", "few-large", "--modes", "fp32,bf16,master",
-                             "--ops", gpu_check.OPTIM_OPS, "--repeats", "1", "--json", str(out)]) == 0
+                             "--ops", check.OPTIM_OPS, "--repeats", "1", "--json", str(out)]) == 0
     verdicts = evaluate({"optim": _part("optim", {"rows": json.loads(out.read_text())})})
     judged = [v for v in verdicts if v.key.startswith(("fused_adam", "scale", "l2norm"))]
     assert len(judged) == 10
     assert all(v.status in (PASS, FAIL) and v.value is not None for v in judged), judged
 
 
-# not marked slow (5 s measured): the fast lane's only test of lightning_amp.bench.gpu_pytest (lane_durations.py)
+# not marked slow (5 s measured): the fast lane's only test of gpu_check.pytest_log (lane_durations.py)
 def test_the_pytest_plugin_records_each_outcome_as_it_comes(tmp_path):
     """A real pytest run with the plugin, killed during its fourth test: the three before it are recorded,
     the fourth and fifth are not reached, the deselected one is not counted."""
@@ -451,7 +451,7 @@ def test_the_pytest_plugin_records_each_outcome_as_it_comes(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: probe\n")
     log = tmp_path / "outcomes.jsonl"
     process = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                                "lightning_amp.bench.gpu_pytest", "-m", "not cuda", "test_probe.py"], cwd=tmp_path,
+                                "gpu_check.pytest_log", "-m", "not cuda", "test_probe.py"], cwd=tmp_path,
                                env=dict(os.environ, **{LOG_ENV: str(log)}, PYTHONPATH=_pythonpath()),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -472,15 +472,15 @@ def test_the_pytest_plugin_records_each_outcome_as_it_comes(tmp_path):
 def _fake_plan(**collects):
     """PLAN with each part's collect replaced by ``collects[name]`` (default: returns {"name": name})."""
     return tuple(Part(p.name, collects.get(p.name, lambda run, raw, _n=p.name: {"name": _n}), p.need_s, p.cap_s,
-                      p.partial) for p in gpu_check.PLAN)
+                      p.partial) for p in check.PLAN)
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """gpu_check as on a GPU machine, with no device probe (its environment is a fixed dict)."""
-    monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
-    monkeypatch.setattr(gpu_check, "environment", lambda: {"device": GPU, "commit": "abc1234"})
-    monkeypatch.setattr(gpu_check, "PLAN", _fake_plan(build=lambda run, raw: {"backend": "cuda-ext"}))
+    """gpu_check.check as on a GPU machine, with no device probe (its environment is a fixed dict)."""
+    monkeypatch.setattr(check, "cuda_available", lambda: True)
+    monkeypatch.setattr(check, "environment", lambda: {"device": GPU, "commit": "abc1234"})
+    monkeypatch.setattr(check, "PLAN", _fake_plan(build=lambda run, raw: {"backend": "cuda-ext"}))
 
 
 def test_a_part_past_its_timeout_is_killed_and_keeps_its_partial_rows(tmp_path, fake_gpu):
@@ -491,9 +491,9 @@ def test_a_part_past_its_timeout_is_killed_and_keeps_its_partial_rows(tmp_path, 
         run([sys.executable, "-c", "import time; time.sleep(120)"])
         raise AssertionError("not reached")
 
-    part = next(p for p in gpu_check.PLAN if p.name == "optim")
+    part = next(p for p in check.PLAN if p.name == "optim")
     t0 = time.monotonic()
-    record = gpu_check.run_part(Part("optim", slow_optim, 1, None, part.partial), tmp_path, tmp_path, timeout_s=2.0)
+    record = check.run_part(Part("optim", slow_optim, 1, None, part.partial), tmp_path, tmp_path, timeout_s=2.0)
     assert time.monotonic() - t0 < 30
     assert record["timed_out"] and record["rc"] is None and len(record["data"]["rows"]) == 3
     saved = json.loads((tmp_path / "part-optim.json").read_text())
@@ -506,26 +506,26 @@ def test_a_part_past_its_timeout_is_killed_and_keeps_its_partial_rows(tmp_path, 
 def test_a_failing_command_sets_the_part_exit_status(tmp_path, fake_gpu):
     collect = lambda run, raw: {"rows": [], "out": run([sys.executable, "-c", "print('hello'); raise SystemExit(3)"],
                                                         env={"PROBE": "1"})}  # noqa: E731
-    record = gpu_check.run_part(Part("wgrad", collect, 1, None), tmp_path, tmp_path, timeout_s=60)
+    record = check.run_part(Part("wgrad", collect, 1, None), tmp_path, tmp_path, timeout_s=60)
     assert record["rc"] == 3 and not record["timed_out"] and "hello" in record["log_tail"]
     assert record["commands"][0].startswith("PROBE=1 ") and (tmp_path / "logs" / "wgrad.log").exists()
 
     def unreadable(run, raw):  # a command whose output cannot be parsed: the part fails, the check goes on
         return json.loads(run([sys.executable, "-c", "print('Segmentation fault')"]))
-    record = gpu_check.run_part(Part("build", unreadable, 1, None), tmp_path, tmp_path, timeout_s=60)
+    record = check.run_part(Part("build", unreadable, 1, None), tmp_path, tmp_path, timeout_s=60)
     assert record["rc"] == 1 and "reading the part's output failed: JSONDecodeError" in record["log_tail"]
     assert _verdict({"build": record}, "build").status == FAIL
 
 
 def test_the_parts_run_in_the_issues_order(tmp_path, fake_gpu, monkeypatch):
-    assert gpu_check.PARTS == ORDER
+    assert check.PARTS == ORDER
     calls = []
-    monkeypatch.setattr(gpu_check, "run_part", lambda part, out, raw, timeout_s: calls.append(part.name) or
-                        gpu_check._save(out, {"part": part.name, "rc": 0, "data": {"backend": "cuda-ext"}}))
-    assert gpu_check.main(["--out", str(tmp_path)]) in (0, 1)
+    monkeypatch.setattr(check, "run_part", lambda part, out, raw, timeout_s: calls.append(part.name) or
+                        check._save(out, {"part": part.name, "rc": 0, "data": {"backend": "cuda-ext"}}))
+    assert check.main(["--out", str(tmp_path)]) in (0, 1)
     assert calls == list(ORDER)
     calls.clear()
-    gpu_check.main(["--out", str(tmp_path), "--part", "suite,wgrad,smoke"])
+    check.main(["--out", str(tmp_path), "--part", "suite,wgrad,smoke"])
     assert calls == ["build", "smoke", "wgrad", "suite"]  # the plan's order, build first, whatever PART says
     report = json.loads((tmp_path / "gpu-check.json").read_text())  # one run, one report: no part of the last
     assert {name: p["status"] for name, p in report["parts"].items() if name not in calls} == \
@@ -540,13 +540,13 @@ def test_the_budget_gives_each_part_its_cap_or_what_is_left_and_reports_what_can
     def fake_run_part(part, out, raw, timeout_s):
         calls.append((part.name, timeout_s))
         clock[0] += taken.get(part.name, 10.0)
-        return gpu_check._save(out, {"part": part.name, "rc": 0, "seconds": taken.get(part.name, 10.0),
+        return check._save(out, {"part": part.name, "rc": 0, "seconds": taken.get(part.name, 10.0),
                                      "data": {"backend": "cuda-ext"}})
 
-    monkeypatch.setattr(gpu_check, "run_part", fake_run_part)
-    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
-    plan = {p.name: p for p in gpu_check.PLAN}
-    gpu_check.main(["--out", str(tmp_path), "--budget", "400"])
+    monkeypatch.setattr(check, "run_part", fake_run_part)
+    monkeypatch.setattr(check.time, "monotonic", lambda: clock[0])
+    plan = {p.name: p for p in check.PLAN}
+    check.main(["--out", str(tmp_path), "--budget", "400"])
     assert (plan["build"].cap_s, plan["smoke"].cap_s, plan["bench"].cap_s) == (360, 150, 240)
     # build gets its cap (360 < 400), smoke its cap (150 < 300 left), bench the 240 s left (= its cap);
     # after bench 40 s are left: optim (needs 20, cap 90) gets them, then wgrad (needs 15) the 30 s left
@@ -559,8 +559,8 @@ def test_the_budget_gives_each_part_its_cap_or_what_is_left_and_reports_what_can
 
 
 def test_a_failed_build_leaves_the_other_parts_not_run_with_the_reason(tmp_path, fake_gpu, monkeypatch):
-    monkeypatch.setattr(gpu_check, "PLAN", _fake_plan(build=lambda run, raw: {"backend": "torch"}))
-    assert gpu_check.main(["--out", str(tmp_path), "--budget", "100"]) == 1
+    monkeypatch.setattr(check, "PLAN", _fake_plan(build=lambda run, raw: {"backend": "torch"}))
+    assert check.main(["--out", str(tmp_path), "--budget", "100"]) == 1
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert report["parts"]["build"]["status"] == "ok"
     assert all(report["parts"][name]["status"].startswith("NOT RUN: the build part did not give the CUDA extension")
@@ -569,19 +569,19 @@ def test_a_failed_build_leaves_the_other_parts_not_run_with_the_reason(tmp_path,
 
 _CHILD = """
 import sys, time
-from lightning_amp.bench import gpu_check
-from lightning_amp.bench.gpu_check import Part
-from lightning_amp.bench.gpu_targets import SYNC_TESTS
-gpu_check.cuda_available = lambda: True
-gpu_check.environment = lambda: {"device": "fake GPU", "commit": "abc1234"}
+from gpu_check import check
+from gpu_check.check import Part
+from gpu_check.targets import SYNC_TESTS
+check.cuda_available = lambda: True
+check.environment = lambda: {"device": "fake GPU", "commit": "abc1234"}
 checks = [{"name": "ops", "ok": True, "seconds": 0.1, "detail": "fine"}]
 def slow(run, raw):
     run([sys.executable, "-c", "print('bench is running', flush=True); import time; time.sleep(20)"])
 collects = {"build": lambda run, raw: {"backend": "cuda-ext", "build_seconds": 1.0},
             "smoke": lambda run, raw: {"checks": checks}, "bench": slow}
-gpu_check.PLAN = tuple(Part(p.name, collects.get(p.name, lambda run, raw: {}), p.need_s, p.cap_s, p.partial)
-                       for p in gpu_check.PLAN)
-sys.exit(gpu_check.main(sys.argv[1:]))
+check.PLAN = tuple(Part(p.name, collects.get(p.name, lambda run, raw: {}), p.need_s, p.cap_s, p.partial)
+                       for p in check.PLAN)
+sys.exit(check.main(sys.argv[1:]))
 """
 
 
@@ -623,10 +623,10 @@ def test_a_check_killed_mid_part_keeps_the_verdicts_of_the_parts_before(tmp_path
 def test_without_a_gpu_it_says_so_runs_its_plumbing_test_and_exits_with_its_status(tmp_path, monkeypatch, capsys,
                                                                                    plumbing_rc):
     calls = []
-    monkeypatch.setattr(gpu_check, "cuda_available", lambda: False)
-    monkeypatch.setattr(gpu_check, "run_plumbing_test", lambda: calls.append(1) or plumbing_rc)
-    monkeypatch.setattr(gpu_check, "run_part", lambda *a, **k: pytest.fail("measured without a GPU"))
-    assert gpu_check.main(["--out", str(tmp_path)]) == plumbing_rc
+    monkeypatch.setattr(check, "cuda_available", lambda: False)
+    monkeypatch.setattr(check, "run_plumbing_test", lambda: calls.append(1) or plumbing_rc)
+    monkeypatch.setattr(check, "run_part", lambda *a, **k: pytest.fail("measured without a GPU"))
+    assert check.main(["--out", str(tmp_path)]) == plumbing_rc
     assert calls == [1]
     assert "no CUDA GPU on this machine" in capsys.readouterr().out
     report = json.loads((tmp_path / "gpu-check.json").read_text())
@@ -635,18 +635,18 @@ def test_without_a_gpu_it_says_so_runs_its_plumbing_test_and_exits_with_its_stat
 
 
 def test_report_only_rerenders_the_parts_in_the_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_check, "run_part", lambda *a, **k: pytest.fail("--report-only measured"))
+    monkeypatch.setattr(check, "run_part", lambda *a, **k: pytest.fail("--report-only measured"))
     parts = good_parts()
     for name in ("optim", "bench"):
         (tmp_path / f"part-{name}.json").write_text(json.dumps(parts[name]))
-    assert gpu_check.main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert check.main(["--report-only", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     statuses = {v["key"]: v["status"] for v in report["verdicts"]}
     assert statuses["o2_vs_bf16_true"] == PASS and statuses["suite"] == NOT_RUN
     bad = copy.deepcopy(parts["bench"])
     _find({"bench": bad}, "O2", "half")["step_time_ms"] = 90.0
     (tmp_path / "part-bench.json").write_text(json.dumps(bad))
-    assert gpu_check.main(["--report-only", "--out", str(tmp_path)]) == 1  # a FAIL verdict
+    assert check.main(["--report-only", "--out", str(tmp_path)]) == 1  # a FAIL verdict
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -659,9 +659,9 @@ def test_report_only_rerenders_the_parts_in_the_folder(tmp_path, monkeypatch):
     (["--budget", "inf"], "got 'inf'"),
 ])
 def test_bad_input_is_a_usage_error_naming_the_allowed_values(argv, message, capsys, monkeypatch):
-    monkeypatch.setattr(gpu_check, "run_part", lambda *a, **k: pytest.fail("ran with bad input"))
+    monkeypatch.setattr(check, "run_part", lambda *a, **k: pytest.fail("ran with bad input"))
     with pytest.raises(SystemExit) as exit_info:
-        gpu_check.main(argv)
+        check.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -680,7 +680,7 @@ def test_make_gpu_check_refuses_bad_input_without_a_traceback(tmp_path):
 def test_the_o2_forward_bench_switches_o2s_norm_policy(monkeypatch):
     import lightning_amp
     from lightning_amp import precision
-    from lightning_amp.bench.gpu_headline import use_forward
+    from gpu_check.headline import use_forward
 
     monkeypatch.setattr(precision.AmpO2Precision, "__init__", precision.AmpO2Precision.__init__)  # restored after the test
     assert lightning_amp.AmpO2Precision().properties.norm_policy == "half"  # the shipped forward
@@ -692,8 +692,8 @@ def test_the_o2_forward_bench_switches_o2s_norm_policy(monkeypatch):
 
 
 def test_the_build_compiles_sources_in_parallel_processes_and_reports_a_failed_one(tmp_path):
-    """gpu_build's no-ninja path on a two-source C extension: built and importable; a source that does not
-    compile fails the build naming it."""
+    """gpu_check.build's no-ninja path on a two-source C extension: built and importable, lightning_amp never
+    imported (it is what gpu-check's build rebuilds); a source that does not compile fails the build naming it."""
     (tmp_path / "a.c").write_text("int probe_value(void) { return 41; }\n")
     (tmp_path / "b.c").write_text(textwrap.dedent("""
         #include <Python.h>
@@ -705,18 +705,18 @@ def test_the_build_compiles_sources_in_parallel_processes_and_reports_a_failed_o
         """))
     (tmp_path / "setup.py").write_text("from setuptools import Extension, setup\n"
                                        "setup(name='probe', ext_modules=[Extension('probe', SOURCES)])\n")
-    script = (f"import sys, runpy\nbuild = runpy.run_path({str(ROOT / 'lightning_amp' / 'bench' / 'gpu_build.py')!r})\n"
-              "assert build['compile_in_parallel'](2)\nsys.argv = ['setup.py', 'build_ext', '--inplace']\n"
-              "runpy.run_path('setup.py', run_name='__main__')\n")  # as gpu-check runs it: no package import
-    env = dict(os.environ)
+    script = ("import sys, runpy\nfrom gpu_check import build\n"
+              "assert build.compile_in_parallel(2)\nsys.argv = ['setup.py', 'build_ext', '--inplace']\n"
+              "runpy.run_path('setup.py', run_name='__main__')\nassert 'lightning_amp' not in sys.modules\n")
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     setup = (tmp_path / "setup.py").read_text()
     (tmp_path / "setup.py").write_text("SOURCES = ['a.c', 'b.c']\n" + setup)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    check = subprocess.run([sys.executable, "-c", "import probe; print(probe.value())"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=60)
-    assert check.stdout.strip() == "42", check.stderr
+    loaded = subprocess.run([sys.executable, "-c", "import probe; print(probe.value())"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.strip() == "42", loaded.stderr
     (tmp_path / "bad.c").write_text("int broken(void) { return }\n")
     (tmp_path / "setup.py").write_text("SOURCES = ['a.c', 'bad.c', 'b.c']\n" + setup)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -725,16 +725,16 @@ def test_the_build_compiles_sources_in_parallel_processes_and_reports_a_failed_o
 
 
 def test_the_build_part_builds_for_the_present_gpu_only_with_a_job_per_core(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_check, "environment", lambda: {"capability": "9.0"})
+    monkeypatch.setattr(check, "environment", lambda: {"capability": "9.0"})
     calls = []
 
     def run(argv, env=None):
         calls.append((argv, env))
         return '{"backend": "cuda-ext", "extension_error": null}\n'
 
-    data = gpu_check._part_build(run, tmp_path)
+    data = check._part_build(run, tmp_path)
     (build_argv, build_env), (check_argv, _) = calls
-    assert build_argv == [sys.executable, "lightning_amp/bench/gpu_build.py"]  # a file: the package not imported
+    assert build_argv == [sys.executable, "-m", "gpu_check.build"]  # gpu_check's: lightning_amp not imported
     assert build_env == {"TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": str(os.cpu_count())}
     assert "backend('cuda')" in check_argv[-1]
     assert data["backend"] == "cuda-ext" and data["arch"] == "9.0" and data["build_seconds"] >= 0

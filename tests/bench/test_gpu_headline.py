@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from lightning_amp.bench import gpu_headline
-from lightning_amp.bench.gpu_headline import HeadlineRun, SteadyWindow, measure, settles_at, steady_start
+from gpu_check import headline
+from gpu_check.headline import HeadlineRun, SteadyWindow, measure, settles_at, steady_start
 from lightning_amp.bench.worker import RunSpec, run
 
 
@@ -68,7 +68,7 @@ def test_the_o2_run_with_torchs_lists_reports_its_forward_and_tokens(monkeypatch
     assert record["o2_forward"] == "fp32" and record["optimizer"] == "FusedAdam"
     assert 8 <= record["steps"] <= 30 and record["precision_plugin"] == "AmpO2Precision"
     assert precision.AmpO2Precision().properties.norm_policy == "fp32"  # the runs' plugins took torch's lists
-    tokens = record["batch_size"] * gpu_headline.seq_len("tiny")
+    tokens = record["batch_size"] * headline.seq_len("tiny")
     assert record["tokens_per_s"] == pytest.approx(1000.0 * tokens / record["step_time_ms"])
     assert math.isfinite(record["final_loss"])
 
@@ -76,5 +76,5 @@ def test_the_o2_run_with_torchs_lists_reports_its_forward_and_tokens(monkeypatch
 @pytest.mark.parametrize("argv", [["--json", "x.json", "--max-steps", "100"], ["--json", "x.json", "--batch-size", "0"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        gpu_headline.main(argv)
+        headline.main(argv)
     assert exit_info.value.code == 2 and "--max-steps must be >= 300" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The GPU targets of issue 19 as verdicts over the outputs of ``make gpu-check``'s parts.
 
-Each part writes ``part-<name>.json`` (see :mod:`lightning_amp.bench.gpu_check`): its exit status, time,
+Each part writes ``part-<name>.json`` (see :mod:`gpu_check.check`): its exit status, time,
 log tail and ``data`` (smoke checks, headline records, ``bench_optim``/``bench_wgrad`` rows, test
 outcomes), or ``not_run`` with the reason it did not run. :func:`evaluate` turns the parts into one
 :class:`Verdict` per target: ``PASS`` or ``FAIL`` with the measured figure, ``NOT RUN`` (with the reason)

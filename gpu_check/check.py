@@ -1,20 +1,22 @@
 """``make gpu-check``: one command that builds for the GPU present, checks it, measures it, and reports a verdict per target.
 
-    python -m lightning_amp.bench.gpu_check [--part smoke,bench,...] [--out DIR] [--budget SECONDS]
-    python -m lightning_amp.bench.gpu_check --report-only --out DIR   # re-render DIR/part-*.json
+    python -m gpu_check [--part smoke,bench,...] [--out DIR] [--budget SECONDS]
+    python -m gpu_check --report-only --out DIR   # re-render DIR/part-*.json
 
-Run from a source checkout (it needs ``tests/``, ``benchmarks/`` and ``examples/``). The parts run in
-this order (:data:`PLAN`), each a subprocess with a timeout, its log in ``DIR/logs/<part>.log``:
+Run in a source checkout's root (it needs ``tests/``, ``benchmarks/`` and ``examples/``); each part's
+commands run there with the root on ``PYTHONPATH`` (:func:`child_env`), so that ``gpu_check`` imports in
+them. The parts run in this order (:data:`PLAN`), each a subprocess with a timeout, its log in
+``DIR/logs/<part>.log``:
 
 1. ``build``: always first: ``setup.py build_ext --inplace`` for the present GPU's compute capability only
    (``TORCH_CUDA_ARCH_LIST``) with ``MAX_JOBS`` = the machine's cores, in parallel with or without ninja
-   (:mod:`lightning_amp.bench.gpu_build`), timed;
-2. ``smoke``: CUDA correctness (:mod:`lightning_amp.bench.gpu_smoke`, about a minute);
-3. ``bench``: the headline BERT-base benchmark with its ratios (:mod:`lightning_amp.bench.gpu_headline`);
+   (:mod:`gpu_check.build`), timed;
+2. ``smoke``: CUDA correctness (:mod:`gpu_check.smoke`, about a minute);
+3. ``bench``: the headline BERT-base benchmark with its ratios (:mod:`gpu_check.headline`);
 4. ``optim``, 5. ``wgrad``: ``benchmarks/bench_optim.py`` and ``benchmarks/bench_wgrad.py`` on the GPU;
 6. ``cuda-tests``: ``pytest -m cuda tests``; 7. ``suite``: ``pytest -m "not cuda" tests`` with what time is
    left (pytest-xdist workers where installed), the tests it did not reach counted
-   (:mod:`lightning_amp.bench.gpu_pytest`).
+   (:mod:`gpu_check.pytest_log`).
 
 Budget: ``--budget`` (``make``'s ``GPU_CHECK_BUDGET``) caps the whole invocation. Each part's timeout is
 its cap (:attr:`Part.cap_s`) or what is left of the budget, whichever is less; a part with less left than
@@ -48,12 +50,12 @@ from typing import Callable, Optional
 
 import torch
 
-from lightning_amp.bench import gpu_build
-from lightning_amp.bench.gpu_pytest import LOG_ENV, read_outcomes
-from lightning_amp.bench.gpu_report import log_path, part_path, verdict_lines, write_report
-from lightning_amp.bench.gpu_targets import FAIL, part_status
+from gpu_check import build
+from gpu_check.pytest_log import LOG_ENV, read_outcomes
+from gpu_check.report import log_path, part_path, verdict_lines, write_report
+from gpu_check.targets import FAIL, part_status
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 OPTIM_OPS = "adamw,scale,l2norm,copy"
 #: seconds a single test may take in the test parts (where pytest-timeout is installed)
 TEST_TIMEOUT_S = 180
@@ -152,20 +154,20 @@ def _part_build(run, raw):
     if arch:
         env["TORCH_CUDA_ARCH_LIST"] = arch
     t0 = time.monotonic()
-    run([sys.executable, str(Path(gpu_build.__file__).relative_to(ROOT))], env=env)
+    run([sys.executable, "-m", "gpu_check.build"], env=env)  # gpu_check's module: lightning_amp not imported
     seconds = time.monotonic() - t0
     info = json.loads(run([sys.executable, "-c", _CHECK_EXT]).strip().splitlines()[-1])
     return dict(info, build_seconds=seconds, arch=arch, max_jobs=int(env["MAX_JOBS"]),
-                ninja=gpu_build.ninja_available())
+                ninja=build.ninja_available())
 
 
 def _part_smoke(run, raw):
-    run([sys.executable, "-m", "lightning_amp.bench.gpu_smoke", "--json", str(raw / "smoke.json")])
+    run([sys.executable, "-m", "gpu_check.smoke", "--json", str(raw / "smoke.json")])
     return _json_dict(raw / "smoke.json")
 
 
 def _part_bench(run, raw):
-    run([sys.executable, "-m", "lightning_amp.bench.gpu_headline", "--json", str(raw / "bench.json")])
+    run([sys.executable, "-m", "gpu_check.headline", "--json", str(raw / "bench.json")])
     return _json_dict(raw / "bench.json")
 
 
@@ -186,7 +188,7 @@ def _pytest_collect(name: str, marker: str):
         log, workers = raw / f"{name}.jsonl", _test_workers()
         if log.exists():
             log.unlink()
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lightning_amp.bench.gpu_pytest",
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_check.pytest_log",
                 "-m", marker, "tests"] + (["-n", str(workers)] if workers else [])
         if importlib.util.find_spec("pytest_timeout"):
             argv.append(f"--timeout={TEST_TIMEOUT_S}")
@@ -367,7 +369,7 @@ def _raise_interrupted(signum, frame):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_amp.bench.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--part", default=None,
                         help=f"comma-separated, from {','.join(PARTS)} (default: all; build always runs first)")
     parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT") or "gpu-check-out",

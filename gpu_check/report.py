@@ -1,6 +1,6 @@
 """``make gpu-check``'s report: ``gpu-check.md`` and ``gpu-check.json`` from the ``part-*.json`` in a folder.
 
-The report holds one verdict line per target (:mod:`lightning_amp.bench.gpu_targets`), each part's
+The report holds one verdict line per target (:mod:`gpu_check.targets`), each part's
 status, wall time and command, the build's time, what was left out and why (parts not run, tests not
 reached, smoke checks failed), the measured tables (smoke checks, headline runs, optimizer rows, wgrad
 rows) and the log tail of every part that did not end well. A part still marked running (the check was
@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import asdict
 
-from lightning_amp.bench.gpu_targets import STATUSES, bench_records, count_outcomes, evaluate, part_status
+from gpu_check.targets import STATUSES, bench_records, count_outcomes, evaluate, part_status
 
 REPORT_MD, REPORT_JSON = "gpu-check.md", "gpu-check.json"
 LOG_TAIL_CHARS = 3000
@@ -170,10 +170,10 @@ def render_markdown(parts: dict, verdicts: list, note: str = "", running: str = 
     out += ["\n## Left out\n"] + ([f"- {line}" for line in missing] or ["- nothing"])
     checks = ((parts.get("smoke") or {}).get("data") or {}).get("checks")
     if checks:
-        out += ["\n## CUDA smoke (`lightning_amp.bench.gpu_smoke`)\n", _smoke_table(checks)]
+        out += ["\n## CUDA smoke (`gpu_check.smoke`)\n", _smoke_table(checks)]
     records = bench_records(parts)
     if records:
-        out += ["\n## Headline: BERT-base (`lightning_amp.bench.gpu_headline`)\n", _headline_table(records)]
+        out += ["\n## Headline: BERT-base (`gpu_check.headline`)\n", _headline_table(records)]
     optim = ((parts.get("optim") or {}).get("data") or {}).get("rows")
     if optim:
         out += ["\n## Optimizers and multi-tensor ops (`benchmarks/bench_optim.py`)\n", _optim_table(optim)]

@@ -1,6 +1,6 @@
 """CUDA correctness smoke, about a minute: ``make gpu-check``'s part ``smoke``.
 
-    python -m lightning_amp.bench.gpu_smoke --json OUT [--device cuda|cpu] [--only NAME,NAME]
+    python -m gpu_check.smoke --json OUT [--device cuda|cpu] [--only NAME,NAME]
 
 Each check (:data:`CHECKS`, in order) raises on a wrong result and returns a one-line detail:
 
@@ -349,7 +349,7 @@ def run_checks(names, device: str, out: Path) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_amp.bench.gpu_smoke", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gpu_check.smoke", description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="file for the results")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated, from {','.join(CHECKS)}")

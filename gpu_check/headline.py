@@ -1,6 +1,6 @@
 """The headline GPU benchmark: BERT-base at seq 128, each precision in a fresh process, timed to a steady state.
 
-    python -m lightning_amp.bench.gpu_headline --json OUT [--batch-size 256] [--max-steps 400] [--accelerator cuda]
+    python -m gpu_check.headline --json OUT [--batch-size 256] [--max-steps 400] [--accelerator cuda]
 
 ``make gpu-check``'s part ``bench``. Trains ``lightning-amp bench``'s BERT example (size ``base``, its GPU
 batch; :func:`lightning_amp.bench.worker.run`) once per entry of :data:`RUNS`, in this order: ``32-true``
@@ -211,7 +211,7 @@ def run_all(runs, out: Path, batch_size: Optional[int], max_steps: int, accelera
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_amp.bench.gpu_headline", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gpu_check.headline", description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="file for the records")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the GPU batch, 256)")
     parser.add_argument("--max-steps", type=int, default=400, help="most steps a run trains (default: 400)")

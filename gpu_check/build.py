@@ -1,14 +1,14 @@
 """``make gpu-check``'s build: ``setup.py build_ext --inplace`` with every source compiled in parallel.
 
-    MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 python lightning_amp/bench/gpu_build.py   # in the repository root
+    MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 python -m gpu_check.build   # in the repository root
 
-Run as a file, not as ``-m lightning_amp...``: importing the package would load the ``lightning_amp._C``
-this rebuilds in place. torch's ``BuildExtension`` reads ``TORCH_CUDA_ARCH_LIST`` (the architectures to
-compile for) and, with ninja, ``MAX_JOBS`` (parallel compiler processes). Without ninja it falls back to
-setuptools, which compiles one source after another; then :func:`compile_in_parallel` makes
-setuptools compile up to ``MAX_JOBS`` sources at once, each in a forked process (torch's per-source
-compile swaps the compiler executable on the shared compiler object, so threads would race). Prints
-``build: ninja yes|no, N jobs`` first.
+It imports nothing of ``lightning_amp`` (nor does ``gpu_check/__init__.py``): importing that package
+would load the ``lightning_amp._C`` this rebuilds in place. torch's ``BuildExtension`` reads
+``TORCH_CUDA_ARCH_LIST`` (the architectures to compile for) and, with ninja, ``MAX_JOBS`` (parallel
+compiler processes). Without ninja it falls back to setuptools, which compiles one source after another;
+then :func:`compile_in_parallel` makes setuptools compile up to ``MAX_JOBS`` sources at once, each in a
+forked process (torch's per-source compile swaps the compiler executable on the shared compiler object,
+so threads would race). Prints ``build: ninja yes|no, N jobs`` first.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A pytest plugin that records each test's outcome the moment it is known, for ``make gpu-check``'s test parts.
 
-    GPU_CHECK_PYTEST_LOG=FILE python -m pytest -p lightning_amp.bench.gpu_pytest [-n 8] tests
+    GPU_CHECK_PYTEST_LOG=FILE python -m pytest -p gpu_check.pytest_log [-n 8] tests
 
 FILE gets one JSON line per event, flushed at once, so a run killed at its time limit still tells what
 it reached: ``{"collected": [ids]}`` once the tests are collected (after ``-m``/``-k`` deselection; under
@@ -18,7 +18,7 @@ from typing import Optional
 
 import pytest
 
-from lightning_amp.bench.gpu_targets import count_outcomes
+from gpu_check.targets import count_outcomes
 
 LOG_ENV = "GPU_CHECK_PYTEST_LOG"
 OUTCOMES = ("passed", "failed", "skipped")
