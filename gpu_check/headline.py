@@ -144,7 +144,7 @@ class SteadyWindow(L.Callback):
 def use_forward(forward: str) -> None:
     """Make the O2 plugins built in this process default to ``norm_policy=forward`` (one of
     :data:`FORWARDS`; for the rest of the process)."""
-    from lightning_amp import precision
+    from lightning_amp.trainer import precision
 
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")

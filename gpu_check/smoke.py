@@ -161,7 +161,7 @@ def check_o2_policy(device: str) -> str:
     """O2's policy over autocast: torch's own result off the switch, half on it."""
     import torch.nn.functional as F
 
-    from lightning_amp.amp import o2_policy
+    from lightning_amp.amp.o2 import policy as o2_policy
 
     x = torch.randn(8, 64, device=device)
     weight, bias = torch.randn(64, device=device), torch.randn(64, device=device)

@@ -679,7 +679,7 @@ def test_make_gpu_check_refuses_bad_input_without_a_traceback(tmp_path):
 
 def test_the_o2_forward_bench_switches_o2s_norm_policy(monkeypatch):
     import lightning_amp
-    from lightning_amp import precision
+    from lightning_amp.trainer import precision
     from gpu_check.headline import use_forward
 
     monkeypatch.setattr(precision.AmpO2Precision, "__init__", precision.AmpO2Precision.__init__)  # restored after the test

@@ -59,7 +59,7 @@ def test_a_fit_that_never_settles_runs_to_its_cap_and_says_so():
 
 
 def test_the_o2_run_with_torchs_lists_reports_its_forward_and_tokens(monkeypatch):
-    from lightning_amp import precision
+    from lightning_amp.trainer import precision
 
     monkeypatch.setattr(precision.AmpO2Precision, "__init__", precision.AmpO2Precision.__init__)  # use_forward patches it
     spec = RunSpec(model="bert", level="O2", size="tiny", steps=30, warmup=0, accelerator="cpu", threads=1,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_check import smoke
-from lightning_amp.amp import o2_policy
+from lightning_amp.amp.o2 import policy as o2_policy
 
 
 def test_every_compiled_op_equals_its_fallback_on_the_cpu():
