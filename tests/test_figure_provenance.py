@@ -75,3 +75,17 @@ def test_the_published_table_names_its_run_and_the_prose_leaves_its_cpu_to_it(pa
         about_table = re.search(r"results below|table below|of the results|this table|the table above", sentence)
         assert not (about_table and re.search(r"AVX|AMX|EPYC|Xeon", sentence, re.I)), (
             f"{page}: the prose describes the published table's CPU, which its first line names: {sentence!r}")
+
+
+@pytest.mark.parametrize("page", TABLE_PAGES)
+def test_the_published_tables_commits_are_recorded_in_results(page):
+    """The CPU table between the markers and the GPU table of the README each name a commit that
+    benchmarks/RESULTS.md records (the run that made them, with its machine): a table republished
+    without its run recorded, or left naming a run RESULTS.md does not know, fails here."""
+    text = (ROOT / page).read_text()
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    first = text.partition(START)[2].strip().splitlines()[0]
+    named = [re.search(r"commit ([0-9a-f]{7,40})", first).group(1)]
+    named += re.findall(r"^\| H\d+, commit ([0-9a-f]{7,40}) \|", text, re.M)  # a GPU table's header cell
+    missing = [commit for commit in named if commit not in results]
+    assert not missing, f"{page}: tables of commits {missing} that benchmarks/RESULTS.md does not record"
