@@ -5,7 +5,9 @@
 FILE gets one JSON line per event, flushed at once, so a run killed at its time limit still tells what
 it reached: ``{"collected": [ids]}`` once the tests are collected (after ``-m``/``-k`` deselection; under
 pytest-xdist the first worker's list, as every worker collects the same), then per test report
-``{"id", "when", "outcome"}`` (the call's report, and a setup or teardown report that did not pass).
+``{"id", "when", "outcome"}`` (the call's report, and a setup or teardown report that did not pass; a failure
+adds ``"reason"``, its one-line cause: the exception's message, or xdist's "worker 'gw3' crashed while running
+..." for a test that killed its process).
 Under pytest-xdist only the controlling process writes. :func:`read_outcomes` turns FILE into counts:
 collected, passed, failed, skipped and not reached (collected but without a final outcome).
 """
@@ -55,20 +57,32 @@ def pytest_xdist_node_collection_finished(node, ids) -> None:
 
 def pytest_runtest_logreport(report) -> None:
     if report.when == "call" or report.outcome != "passed":
-        _write({"id": report.nodeid, "when": report.when, "outcome": report.outcome})
+        entry = {"id": report.nodeid, "when": report.when, "outcome": report.outcome}
+        if report.failed:
+            entry["reason"] = failure_reason(report)
+        _write(entry)
+
+
+def failure_reason(report) -> str:
+    """One line (at most 300 characters) saying why ``report`` failed."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = getattr(crash, "message", None) or str(report.longrepr or "").strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return (lines[0] if crash is not None and lines else lines[-1] if lines else "")[:300]
 
 
 def read_outcomes(path: Path) -> Optional[dict]:
     """Counts of a FILE written by this plugin, or None where it is absent or holds no collection.
 
-    ``{"collected", "passed", "failed", "skipped", "not_reached", "failed_names", "outcomes"}``:
+    ``{"collected", "passed", "failed", "skipped", "not_reached", "failed_names", "outcomes", "reasons"}``:
     ``outcomes`` maps each collected test id to its final outcome ("failed" if any of its reports
-    failed, else "skipped" if one skipped, else "passed"; "not reached" when none came)."""
+    failed, else "skipped" if one skipped, else "passed"; "not reached" when none came); ``reasons`` maps
+    each failed test id to the cause its first failing report gave."""
     try:
         lines = Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return None
-    collected, reports = None, {}
+    collected, reports, reasons = None, {}, {}
     for line in lines:
         try:
             entry = json.loads(line)
@@ -78,6 +92,8 @@ def read_outcomes(path: Path) -> Optional[dict]:
             collected = entry["collected"]
         elif entry.get("outcome") in OUTCOMES:
             reports.setdefault(entry["id"], set()).add(entry["outcome"])
+            if entry["outcome"] == "failed":
+                reasons.setdefault(entry["id"], entry.get("reason", ""))
     if collected is None:
         return None
     outcomes = {}
@@ -87,4 +103,4 @@ def read_outcomes(path: Path) -> Optional[dict]:
     counts = count_outcomes(outcomes)
     not_reached = counts.pop("not reached")
     return dict(counts, collected=len(collected), not_reached=not_reached,
-                failed_names=[t for t, v in outcomes.items() if v == "failed"], outcomes=outcomes)
+                failed_names=[t for t, v in outcomes.items() if v == "failed"], outcomes=outcomes, reasons=reasons)

@@ -180,6 +180,11 @@ def render_markdown(parts: dict, verdicts: list, note: str = "", running: str = 
     wgrad = ((parts.get("wgrad") or {}).get("data") or {}).get("rows")
     if wgrad:
         out += ["\n## Weight-gradient GEMM (`benchmarks/bench_wgrad.py`)\n", _wgrad_table(wgrad)]
+    for name, part in parts.items():
+        reasons = (((part.get("data") or {}).get("tests") or {}).get("reasons") or {})
+        if reasons:
+            out += [f"\n## Failed tests of part {name}, and why\n", "| test | why |", "|---|---|"]
+            out += [f"| `{test}` | {why.replace('|', '/') or '-'} |" for test, why in sorted(reasons.items())]
     broken = [(name, part) for name, part in parts.items() if part_status(part) != "ok" and not part.get("not_run")]
     for name, part in broken:
         out += [f"\n## Log tail of part {name} ({part_status(part)})\n", "```",

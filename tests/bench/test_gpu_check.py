@@ -466,7 +466,27 @@ def test_the_pytest_plugin_records_each_outcome_as_it_comes(tmp_path):
         {"collected": 5, "passed": 1, "failed": 1, "skipped": 1, "not_reached": 2}
     assert counts["outcomes"]["test_probe.py::test_hangs"] == "not reached"
     assert counts["failed_names"] == ["test_probe.py::test_bad"]
+    assert counts["reasons"] == {"test_probe.py::test_bad": "assert 1 == 2"}
     assert read_outcomes(tmp_path / "absent.jsonl") is None
+
+
+def test_a_failed_tests_reason_reaches_the_report_a_crashed_workers_too():
+    """A worker that died (a segfault: what 28 CUDA tests did at f667cf8) gives xdist's string report; its line
+    is the reason, and the report lists every failed test with its reason."""
+    from types import SimpleNamespace
+
+    from gpu_check.pytest_log import failure_reason
+    from gpu_check.report import render_markdown
+
+    crashed = SimpleNamespace(longrepr="\nworker 'gw9' crashed while running 'tests/t.py::test_x'\n")
+    assert failure_reason(crashed) == "worker 'gw9' crashed while running 'tests/t.py::test_x'"
+    raised = SimpleNamespace(longrepr=SimpleNamespace(reprcrash=SimpleNamespace(message="ValueError: shape | 2\nmore")))
+    assert failure_reason(raised) == "ValueError: shape | 2"
+    tests = {"reasons": {"tests/t.py::test_x": failure_reason(crashed), "tests/t.py::test_y": failure_reason(raised)}}
+    text = render_markdown({"cuda-tests": _part("cuda-tests", {"tests": tests})}, [])
+    assert "## Failed tests of part cuda-tests, and why" in text
+    assert "| `tests/t.py::test_x` | worker 'gw9' crashed while running 'tests/t.py::test_x' |" in text
+    assert "| `tests/t.py::test_y` | ValueError: shape / 2 |" in text
 
 
 def _fake_plan(**collects):
