@@ -65,10 +65,11 @@ def pytest_runtest_logreport(report) -> None:
 
 def failure_reason(report) -> str:
     """One line (at most 300 characters) saying why ``report`` failed."""
-    crash = getattr(report.longrepr, "reprcrash", None)
-    text = getattr(crash, "message", None) or str(report.longrepr or "").strip()
-    lines = [line for line in text.splitlines() if line.strip()]
-    return (lines[0] if crash is not None and lines else lines[-1] if lines else "")[:300]
+    message = getattr(getattr(report.longrepr, "reprcrash", None), "message", "") or ""
+    if message.strip():  # an exception: the first line of its message
+        return message.strip().splitlines()[0][:300]
+    lines = [line for line in str(report.longrepr or "").splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else ""  # a text report (xdist's crashed worker): its last line
 
 
 def read_outcomes(path: Path) -> Optional[dict]:

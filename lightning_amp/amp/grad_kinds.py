@@ -11,7 +11,8 @@ still skips the step:
   does) can overflow although no single value does;
 * a complex grad through ``torch.view_as_real`` (a real view of its storage).
 
-Host cost on the common path (dense real grads only): a layout and an ``is_complex`` read per grad.
+Host cost on the common path (dense real grads only): a layout, an ``is_complex``, a device and a dtype
+read per grad.
 
 torch's CUDA kernel of the check-and-unscale takes float32 and float16 only (torch 2.11-2.14:
 "not implemented for 'BFloat16'", and with mixed dtypes it may have unscaled some tensors before it
@@ -68,10 +69,12 @@ def torch_unscale_takes(t: Tensor) -> bool:
 
 
 def _dense_check_and_unscale_(tensors: List[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    theirs = [t for t in tensors if torch_unscale_takes(t)]
+    theirs: List[Tensor] = []
+    ours: List[Tensor] = []
+    for t in tensors:  # one pass: this runs for every grad at every step
+        (theirs if torch_unscale_takes(t) else ours).append(t)
     if theirs:
         torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_inf, inv_scale)
-    ours = [t for t in tensors if not torch_unscale_takes(t)]
     if ours:
         ops.multi_tensor_check_finite(ours, found_inf)
         torch._foreach_mul_(ours, inv_scale)
