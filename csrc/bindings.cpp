@@ -186,6 +186,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return lamp::cpu::wgrad_cpu_gemm_calibration(parse_wgrad_dtype(dtype));
   });
   m.def("_set_wgrad_cpu_gemm_policy", &lamp::cpu::set_wgrad_cpu_gemm_policy, py::arg("policy"));
+  m.def("_set_wgrad_cpu_gemm_choice", [](const std::string& dtype, const std::string& path) {
+    lamp::cpu::set_wgrad_cpu_gemm_choice(parse_wgrad_dtype(dtype), path);
+  }, py::arg("dtype"), py::arg("path"));
+  m.def("_wgrad_cpu_gemm_choice", [](const std::string& dtype) {
+    return lamp::cpu::wgrad_cpu_gemm_choice(parse_wgrad_dtype(dtype));
+  });
   m.def("_set_wgrad_k_chunk", &lamp::cpu::set_wgrad_k_chunk, py::arg("rows"));
   m.def("_wgrad_k_chunk", &lamp::cpu::wgrad_k_chunk);
 

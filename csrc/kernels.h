@@ -30,12 +30,17 @@ std::vector<std::pair<std::string, double>> wgrad_cpu_gemm_calibration(at::Scala
 
 // Test / benchmark hooks: cap on the rows (K) handed to one GEMM call (0 = automatic: the
 // largest K that keeps every operand below 2^31 elements for MKL, the default step of the other
-// paths), and the 16-bit GEMM policy: "auto" (a rule of the CPU: the same path in every process),
+// paths), and the 16-bit GEMM policy: "auto" (the machine's measured choice where set, else a rule of the
+// CPU: the same path in every process),
 // "fastest" (the fastest path measured once per process and dtype) or a path ("onednn", "mkl", "aten"),
 // which then must be usable.
 void set_wgrad_k_chunk(int64_t rows);
 int64_t wgrad_k_chunk();
 void set_wgrad_cpu_gemm_policy(const std::string& policy);
+// The machine's measured path for 16-bit dtype, taken by "auto" while it is usable ("" clears it: the
+// rule decides); lightning_amp.ops reads it from the cache beside the build.
+void set_wgrad_cpu_gemm_choice(at::ScalarType dtype, const std::string& path);
+std::string wgrad_cpu_gemm_choice(at::ScalarType dtype);
 
 at::Tensor multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale,
                               at::Tensor& found_inf);

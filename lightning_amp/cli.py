@@ -220,7 +220,8 @@ def _info() -> int:
     if ops.backend("cpu") == "cpu-ext":
         paths = ", ".join(f"{name} {ops.wgrad_cpu_gemm(dtype)}" for name, dtype in (("bf16", torch.bfloat16),
                                                                                     ("fp16", torch.float16)))
-        print(f"cpu wgrad GEMM path (the CPU's rule, or LIGHTNING_AMP_WGRAD_CPU_GEMM): {paths}")
+        print(f"cpu wgrad GEMM path (LIGHTNING_AMP_WGRAD_CPU_GEMM pins one): {paths}; bf16 "
+              f"{ops.wgrad_cpu_gemm_origin(torch.bfloat16)}")
     if torch.cuda.is_available():
         print(f"cuda: {torch.cuda.get_device_name()}, bf16 supported: {torch.cuda.is_bf16_supported()}, "
               f"backend: {ops.backend('cuda')}")

@@ -12,18 +12,18 @@
 // * "aten": blocks of K (tokens) rows of both operands are upcast to fp32 (temporaries of a few MiB,
 //   never the full product) and accumulated with addmm_ (sgemm, beta = 1).
 // The paths sum in different orders, so the path decides the last bits of main_grad: a run, its
-// resumed copy and every rank of a job must take the same one. "auto" (the default) is therefore a
-// rule, not a measurement: where torch's oneDNN micro-kernel accepts the dtype on this CPU (AMX; the
-// probe in wgrad_brgemm.cpp, which also sees ONEDNN_MAX_CPU_ISA), the first usable of MKL, oneDNN,
-// the fp32 upcast; elsewhere the fp32 upcast. benchmarks/RESULTS.md has MKL ahead on an AMX Xeon
-// (0.51-0.63x torch's unfused bf16), the upcast ahead with the libraries capped at AVX-512 BF16 on that
-// Xeon (145 ms against MKL's 169-173 and oneDNN's 215-232), and the upcast and MKL within noise of each
-// other on AVX2-only EPYCs (which is why a timing made them swap from one process to the next).
-// "fastest" times each usable path once per process on one kCalK x kCalM x kCalN product (a warm-up,
-// then the fastest of kCalRounds interleaved rounds) and keeps the fastest for that dtype: faster where
-// the rule guesses wrong, but two processes may choose differently. A policy naming a path ("onednn",
-// "mkl", "aten") uses that path, or raises where it is not usable; ops sets the policy from
-// LIGHTNING_AMP_WGRAD_CPU_GEMM.
+// resumed copy and every rank of a job must take the same one, and the fastest differs by 3-4x from one
+// CPU to the next (MKL's 16-bit GEMM is slow off Intel; oneDNN's micro-kernel needs AMX or AVX512-BF16).
+// "auto" (the default) therefore takes the machine's measured choice (set_wgrad_cpu_gemm_choice, per
+// dtype: lightning_amp/ops/_wgrad_choice.py measures once per machine with the calibration below and
+// caches the answer beside the build, under a file lock) while that path is usable, and else a rule:
+// where torch's oneDNN micro-kernel accepts the dtype on this CPU (AMX; the probe in wgrad_brgemm.cpp,
+// which also sees ONEDNN_MAX_CPU_ISA), the first usable of MKL, oneDNN, the fp32 upcast; elsewhere the
+// fp32 upcast. "fastest" times each usable path once per process on one kCalK x kCalM x kCalN product (a
+// warm-up, then the fastest of kCalRounds interleaved rounds) and keeps the fastest for that dtype: the
+// machine's measurement is that one, made by one process; two processes under "fastest" may choose
+// differently. A policy naming a path ("onednn", "mkl", "aten") uses that path, or raises where it is not
+// usable; ops sets the policy from LIGHTNING_AMP_WGRAD_CPU_GEMM.
 //
 // MKL's LP64 interface takes 32-bit ints: m, n and the leading dimensions must fit, and the
 // K (token) dimension is split into chunks that keep every operand slice below 2^31 elements.
@@ -101,6 +101,12 @@ std::string unusable_reason(Path p, at::ScalarType dtype) {
 
 std::atomic<int64_t> g_k_chunk{0};
 std::atomic<int> g_policy{kAuto};
+constexpr int kNoChoice = -1;
+// The machine's measured choice per 16-bit dtype (index 0 bf16, 1 fp16), set from the cache file
+// beside the build (lightning_amp/ops/_wgrad_choice.py); kNoChoice: the rule decides.
+std::array<std::atomic<int>, 2> g_machine_choice{kNoChoice, kNoChoice};
+
+std::atomic<int>& machine_choice(at::ScalarType dtype) { return g_machine_choice[dtype == at::kHalf ? 1 : 0]; }
 
 // Rows of K upcast at a time on the "aten" path: ~4M fp32 elements of workspace, but at least
 // 2048 rows so each sgemm's K stays large against its read-modify-write of main_grad.
@@ -244,6 +250,10 @@ Path chosen_path(at::ScalarType dtype) {
     return Path::kAten;
   }
   if (policy == kAuto) {
+    const int choice = machine_choice(dtype).load();
+    if (choice != kNoChoice && unusable_reason(static_cast<Path>(choice), dtype).empty()) {
+      return static_cast<Path>(choice);
+    }
     if (wgrad::brgemm_accepted_by_cpu(dtype)) {
       for (Path p : {Path::kMkl, Path::kOnednn}) {
         if (unusable_reason(p, dtype).empty()) return p;
@@ -288,6 +298,29 @@ void set_wgrad_cpu_gemm_policy(const std::string& policy) {
   }
   TORCH_CHECK_VALUE(false, "set_wgrad_cpu_gemm_policy: policy must be 'auto', 'fastest', 'onednn', 'mkl' or 'aten', got '",
                     policy, "'");
+}
+
+void set_wgrad_cpu_gemm_choice(at::ScalarType dtype, const std::string& path) {
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kHalf,
+                    "set_wgrad_cpu_gemm_choice: only bfloat16 and float16 operands have a choice");
+  if (path.empty()) {
+    machine_choice(dtype).store(kNoChoice);
+    return;
+  }
+  for (Path p : kPaths) {
+    if (path == path_name(p)) {
+      machine_choice(dtype).store(static_cast<int>(p));
+      return;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "set_wgrad_cpu_gemm_choice: path must be 'onednn', 'mkl', 'aten' or '' (none), got '",
+                    path, "'");
+}
+
+std::string wgrad_cpu_gemm_choice(at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return "";
+  const int choice = machine_choice(dtype).load();
+  return choice == kNoChoice ? "" : path_name(static_cast<Path>(choice));
 }
 
 std::string wgrad_cpu_gemm_backend(at::ScalarType dtype) {

@@ -14,8 +14,9 @@ Environment switches (read once, at import):
   (where no prebuilt extension matches the running torch, the first import otherwise builds one into
   the per-user cache, :mod:`._build`: ``LIGHTNING_AMP_CACHE_DIR``, default ``~/.cache/lightning_amp``).
 * ``LIGHTNING_AMP_WGRAD_CPU_GEMM=auto|fastest|onednn|mkl|aten`` picks the CPU GEMM path of
-  :func:`wgrad_gemm_accum_fp32` for 16-bit operands (default ``auto``: a rule of the CPU, the same path
-  in every process, so a resumed run and every rank sum in the same order; ``fastest``: measured once per
+  :func:`wgrad_gemm_accum_fp32` for 16-bit operands (default ``auto``: the fastest, measured once per
+  machine and cached beside the build, :mod:`._wgrad_choice`, else a rule of the CPU; the same path in every
+  process, so a resumed run and every rank sum in the same order; ``fastest``: measured once per
   process, which two processes may answer differently); any other value is a ValueError naming the variable.
 
 ``backend(device)`` tells which implementation serves a device.
@@ -45,6 +46,7 @@ Layout of the package (everything public is re-exported here):
 
 * :mod:`._ext`: loading the extension (prebuilt, else a first-use build), the switches, :func:`backend`;
 * :mod:`._build`: what a build is made of and for, the per-user cache of first-use builds;
+* :mod:`._wgrad_choice`: the CPU wgrad GEMM path of this machine, measured once and cached beside the build;
 * :mod:`._library`: the compiled kernels as torch.library operators ``torch.ops.lightning_amp.*``
   (schemas with their writes declared, fake kernels), so ``torch.compile`` traces through them;
   their arguments are checked in C++ only. ``_library.run`` calls the operator under a trace or a
@@ -73,6 +75,7 @@ from ._ext import (
     extension_origin,
     extension_path,
     wgrad_cpu_gemm,
+    wgrad_cpu_gemm_origin,
 )
 from .multi_tensor import (
     _check_finite_fallback,
@@ -116,5 +119,5 @@ from .wgrad import (
 __all__ = [
     "backend", "extension_error", "extension_module", "extension_origin", "extension_path", "local_shards", "multi_tensor_adadelta",
     "multi_tensor_adam", "multi_tensor_check_finite", "multi_tensor_l2norm", "multi_tensor_lamb",
-    "multi_tensor_scale", "multi_tensor_sgd", "wgrad_cpu_gemm", "wgrad_gemm_accum_fp16", "wgrad_gemm_accum_fp32",
+    "multi_tensor_scale", "multi_tensor_sgd", "wgrad_cpu_gemm", "wgrad_cpu_gemm_origin", "wgrad_gemm_accum_fp16", "wgrad_gemm_accum_fp32",
 ]

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _build
+from . import _build, _wgrad_choice
 
 _EXT = None
 _EXT_ERROR: Optional[str] = None
@@ -141,7 +141,11 @@ def _load_extension() -> None:
 _load_extension()
 
 
+_WGRAD_CPU_GEMM_POLICY = "auto"  # LIGHTNING_AMP_WGRAD_CPU_GEMM as applied at import
+
+
 def _apply_wgrad_cpu_gemm_env() -> None:
+    global _WGRAD_CPU_GEMM_POLICY
     value = os.environ.get("LIGHTNING_AMP_WGRAD_CPU_GEMM")
     if value is None or _EXT is None:
         return
@@ -149,6 +153,7 @@ def _apply_wgrad_cpu_gemm_env() -> None:
         _EXT._set_wgrad_cpu_gemm_policy(value)
     except ValueError as err:
         raise ValueError(f"LIGHTNING_AMP_WGRAD_CPU_GEMM={value!r}: {err}") from None
+    _WGRAD_CPU_GEMM_POLICY = value
 
 
 _apply_wgrad_cpu_gemm_env()
@@ -193,13 +198,34 @@ def backend(device: torch.device | str = "cpu") -> str:
     return f"{kind}-ext" if _ext_for(device) is not None else "torch"
 
 
+def _decide_wgrad_cpu_gemm(dtype) -> None:
+    """Before the first CPU wgrad GEMM of 16-bit ``dtype`` under the "auto" policy: the machine's measured
+    path from the cache beside the build (:mod:`._wgrad_choice`), measured now if it has none."""
+    if _EXT is not None and _WGRAD_CPU_GEMM_POLICY == "auto":
+        _wgrad_choice.ensure(_EXT, dtype)
+
+
 def wgrad_cpu_gemm(dtype: torch.dtype) -> Optional[str]:
     """The CPU GEMM path that serves :func:`wgrad_gemm_accum_fp32` for ``dtype`` operands in this
-    process: ``"onednn"``, ``"mkl"`` or ``"aten"`` (under ``LIGHTNING_AMP_WGRAD_CPU_GEMM=fastest`` this runs
-    the one-time measurement if it has not run yet), or None without the compiled extension."""
+    process: ``"onednn"``, ``"mkl"`` or ``"aten"`` (the machine's measured choice under "auto", measured
+    now if this machine has none cached; under ``LIGHTNING_AMP_WGRAD_CPU_GEMM=fastest`` the per-process
+    measurement), or None without the compiled extension."""
     if _EXT is None:
         return None
+    _decide_wgrad_cpu_gemm(dtype)
     return _EXT._wgrad_cpu_gemm_backend(str(dtype).replace("torch.", ""))
+
+
+def wgrad_cpu_gemm_origin(dtype: torch.dtype) -> Optional[str]:
+    """How :func:`wgrad_cpu_gemm`'s answer was decided: measured on this machine (with the times and
+    the cache file), the CPU's rule (and why the cache could not be used), or the policy that pins it;
+    None without the compiled extension."""
+    if _EXT is None:
+        return None
+    if _WGRAD_CPU_GEMM_POLICY != "auto":
+        return f"LIGHTNING_AMP_WGRAD_CPU_GEMM={_WGRAD_CPU_GEMM_POLICY}"
+    _decide_wgrad_cpu_gemm(dtype)
+    return _wgrad_choice.status(dtype) or "float32 operands always take the fp32 GEMM"
 
 
 def _check_dense(op: str, name: str, t: Tensor) -> None:

@@ -42,13 +42,22 @@ def _real_meta(tensors) -> bool:
 # -- weight-gradient GEMM ------------------------------------------------------------------------
 
 
+def _cpu_path_decided(input: Tensor, main_grad: Tensor) -> None:
+    """The machine's CPU GEMM path for 16-bit operands, decided before the kernel runs (here, at run time,
+    for a compiled graph: ``ops.wgrad`` decides in eager code, which a trace does not run)."""
+    if main_grad.device.type == "cpu":
+        _ext._decide_wgrad_cpu_gemm(input.dtype)
+
+
 @torch.library.custom_op(f"{_NS}::wgrad_gemm_accum_fp32", mutates_args=("main_grad",))
 def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
+    _cpu_path_decided(input, main_grad)
     _ext_module().wgrad_gemm_accum_fp32(input, grad_output, main_grad)
 
 
 @torch.library.custom_op(f"{_NS}::wgrad_gemm_accum_fp16", mutates_args=("main_grad",))
 def wgrad_gemm_accum_fp16(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
+    _cpu_path_decided(input, main_grad)
     _ext_module().wgrad_gemm_accum_fp16(input, grad_output, main_grad)
 
 

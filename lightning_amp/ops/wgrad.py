@@ -96,13 +96,16 @@ def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor)
     ``onednn`` (oneDNN's micro-kernel inside torch, on AMX or AVX-512 BF16/FP16 units), ``mkl`` (MKL's
     ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32``) or ``aten`` (token blocks upcast to fp32,
     then ``addmm_``). All three sum exact products in fp32 with beta = 1 and differ only in the order of
-    the sums, so the choice is a rule of the CPU (``mkl`` where oneDNN's micro-kernel takes the dtype,
-    i.e. AMX, else ``aten``): every process of a job, and a resumed run, takes the same path.
+    the sums, so every process of a machine takes the same one: the fastest, measured once per machine
+    and cached beside the build (:mod:`._wgrad_choice`; the first 16-bit call of a machine takes about a
+    second more), or a rule of the CPU where that cache can be neither read nor written.
     ``LIGHTNING_AMP_WGRAD_CPU_GEMM`` pins one, or ``fastest`` times them once per process.
     No path materialises the full product. The fallback (no extension) builds the fp32 product
     (on CUDA with the 16-bit GEMM, ``out_dtype=torch.float32``) and adds it.
     """
     if isinstance(main_grad, Tensor) and _ext._ext_for(main_grad.device) is not None:
+        if main_grad.device.type == "cpu" and not torch.compiler.is_compiling():  # traced: the operator decides
+            _ext._decide_wgrad_cpu_gemm(getattr(input, "dtype", None))
         _library.run("wgrad_gemm_accum_fp32", input, grad_output, main_grad)
     else:
         _check_wgrad_args("wgrad_gemm_accum_fp32", input, grad_output, main_grad, (torch.float32,))
@@ -118,6 +121,8 @@ def wgrad_gemm_accum_fp16(input: Tensor, grad_output: Tensor, main_grad: Tensor)
     the fallback adds the fp32 product in one fp32 add.
     """
     if isinstance(main_grad, Tensor) and _ext._ext_for(main_grad.device) is not None:
+        if main_grad.device.type == "cpu" and not torch.compiler.is_compiling():  # traced: the operator decides
+            _ext._decide_wgrad_cpu_gemm(getattr(input, "dtype", None))
         _library.run("wgrad_gemm_accum_fp16", input, grad_output, main_grad)
     else:
         _check_wgrad_args("wgrad_gemm_accum_fp16", input, grad_output, main_grad, (torch.float16, torch.bfloat16))

@@ -243,10 +243,21 @@ def _auto_rule(paths):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_auto_is_a_rule_of_the_cpu_and_fastest_takes_the_fastest_measured_path(dtype):
-    """"auto" (the default) follows a rule of the CPU, so every process on the machine sums in the same order
-    (a run and its resumed copy, every rank). "fastest" times every usable path once per process and keeps
-    the fastest: the measurement lists each usable path once, fastest first, and the backend is its first."""
+def test_auto_without_a_machine_choice_is_a_rule_of_the_cpu_and_fastest_takes_the_fastest_measured_path(dtype):
+    """"auto" (the default) takes the machine's measured choice (tests/ops/test_ops_wgrad_choice.py), and
+    without one a rule of the CPU, so every process on the machine sums in the same order (a run and its
+    resumed copy, every rank). "fastest" times every usable path once per process and keeps the fastest:
+    the measurement lists each usable path once, fastest first, and the backend is its first."""
+    ops.wgrad_cpu_gemm(getattr(torch, dtype))  # this process's machine choice, decided
+    machine = EXT._wgrad_cpu_gemm_choice(dtype)
+    EXT._set_wgrad_cpu_gemm_choice(dtype, "")
+    try:
+        _rule_and_fastest(dtype)
+    finally:
+        EXT._set_wgrad_cpu_gemm_choice(dtype, machine)
+
+
+def _rule_and_fastest(dtype):
     paths = EXT._wgrad_cpu_gemm_paths(dtype)
     assert EXT._wgrad_cpu_gemm_backend(dtype) == _auto_rule(paths)
     usable = [p for p, why in paths if not why]
