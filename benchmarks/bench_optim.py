@@ -18,6 +18,12 @@ the foreach copy of the params out). Lists: ``few-large``
 The op ``copy`` (``torch._foreach_copy_`` of the list, no torch column) measures the device's copy
 bandwidth on the same tensors: the ceiling for the other rows' GB/s.
 
+Where torch ships a kernel ours may hand over to (``lightning_amp/ops/_choice.py``: Adam/AdamW, SGD, the L2
+norm), the same op also runs forced onto each (``our kernel ms``: our compiled kernel; ``via torch ms``: our
+op through torch's fused kernel, our semantics kept), interleaved with the rest: the figures the choice
+table is decided from. ``chosen`` says which the op takes here, ``ours/torch`` is the op as chosen against
+torch's fastest optimizer step, in time (lower is better; <= 1.00 is the goal).
+
 "bytes" is what one pass over the list must read and write at the least (e.g. AdamW fp32: p, g,
 m, v read and p, m, v written, 28 bytes per element; LAMB needs two passes), the same figure for
 both implementations, so "GB/s" = bytes / time is an effective bandwidth, comparable across rows.
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -41,6 +48,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from lightning_amp import FusedAdadelta, FusedAdam, FusedLAMB, FusedSGD, ops
+from lightning_amp.ops import _choice
 from lightning_amp.bench.worker import device_description
 
 MODES = ("fp32", "bf16", "master")
@@ -59,6 +67,18 @@ class Case:
     theirs: Optional[Callable[[], None]]
     torch_impl: str
     bytes_moved: int
+    choice: Optional[tuple] = None  # (op name in ops/_choice.py, device, dtype) where torch's kernel may serve
+
+
+def forced(impl: str, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with ``ops._choice`` forced onto ``impl`` ("ours" or "torch") for the call."""
+    def run():
+        _choice.forced = impl
+        try:
+            fn()
+        finally:
+            _choice.forced = None
+    return run
 
 
 def tensor_sizes(kind: str, device: str, seed: int = 0) -> list[int]:
@@ -158,7 +178,9 @@ def build_cases(kind: str, mode: str, device: str, ops_wanted) -> Iterator[Case]
             return Case(op, mode, ours_step, theirs, impl + " + check + foreach copies",
                         bytes_per_element(op, mode) * numel)
         opt, impl = _torch_optimizer(torch_cls, _params_with_grads(sizes, model_dtype, device, 1), **torch_kw)
-        return Case(op, mode, ours.step, opt.step, impl, bytes_per_element(op, mode) * numel)
+        choice = {"adamw": "adam", "sgd": "sgd"}.get(op)
+        return Case(op, mode, ours.step, opt.step, impl, bytes_per_element(op, mode) * numel,
+                    (choice, torch.device(device), model_dtype) if choice else None)
 
     if "adamw" in ops_wanted:
         yield pair("adamw", FusedAdam, dict(lr=1e-4, weight_decay=0.01), torch.optim.AdamW,
@@ -181,18 +203,24 @@ def build_cases(kind: str, mode: str, device: str, ops_wanted) -> Iterator[Case]
                           "foreach copy+mul+inf-norm", bytes_per_element("scale", mode) * numel)
     if "l2norm" in ops_wanted and mode != "master":
         yield Case("l2norm", mode, lambda: ops.multi_tensor_l2norm(grads),
-                          lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
-                          "foreach norm", bytes_per_element("l2norm", mode) * numel)
+                   lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
+                   "foreach norm", bytes_per_element("l2norm", mode) * numel, ("l2norm", torch.device(device), model_dtype))
     if "copy" in ops_wanted and mode != "master":
         copies = [torch.empty_like(g) for g in grads]
         yield Case("copy", mode, lambda: torch._foreach_copy_(copies, grads), None, "-",
                    bytes_per_element("copy", mode) * numel)
 
 
+#: the CPU clock of :func:`measure`: wall time, or this process's CPU time (``--clock cpu``: on a machine
+#: shared with other work, time spent waiting for a core is left out; with one thread it is the work done)
+CPU_CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = CPU_CLOCK["wall"]
+
+
 def measure(fn: Callable[[], None], device: str, repeats: int, inner: int) -> float:
     """Median seconds per call over ``repeats`` measurements of ``inner`` back-to-back calls.
 
-    cuda: events around the ``inner`` calls, one sync per measurement; cpu: wall clock.
+    cuda: events around the ``inner`` calls, one sync per measurement; cpu: the clock ``--clock`` chose.
     """
     samples = []
     for _ in range(repeats):
@@ -205,11 +233,24 @@ def measure(fn: Callable[[], None], device: str, repeats: int, inner: int) -> fl
             end.synchronize()
             samples.append(start.elapsed_time(end) / 1000.0 / inner)
         else:
-            t0 = time.perf_counter()
+            t0 = _clock()
             for _ in range(inner):
                 fn()
-            samples.append((time.perf_counter() - t0) / inner)
+            samples.append((_clock() - t0) / inner)
     return statistics.median(samples)
+
+
+def add_cpu_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clock", choices=tuple(CPU_CLOCK), default="wall",
+                        help="cpu timings: wall clock, or the process's CPU time (a shared, loaded machine)")
+    parser.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's)")
+
+
+def apply_cpu_options(args) -> None:
+    global _clock
+    _clock = CPU_CLOCK[args.clock]
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
 
 def _commit() -> str:
@@ -229,7 +270,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="measurements per op (default: cpu 5, cuda 20)")
     parser.add_argument("--inner", type=int, default=None, help="calls per measurement (default: cpu 1, cuda 10)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    add_cpu_options(parser)
     args = parser.parse_args(argv)
+    apply_cpu_options(args)
     for name, allowed in (("lists", LISTS), ("modes", MODES), ("ops", OPS)):
         chosen = [x for x in getattr(args, name).split(",") if x]
         if not chosen or any(x not in allowed for x in chosen):
@@ -241,33 +284,42 @@ def main(argv=None) -> int:
     inner = args.inner or (10 if args.device == "cuda" else 1)
     device_name = device_description(args.device)
     print(f"bench_optim, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, "
-          f"torch {torch.__version__}, backend {ops.backend(args.device)}, commit {_commit()}")
+          f"torch {torch.__version__}, backend {ops.backend(args.device)}, commit {_commit()}, "
+          f"threads {torch.get_num_threads()}, clock {args.clock}, load average {os.getloadavg()[0]:.2f}")
     print(f"command: python benchmarks/bench_optim.py {shlex.join(sys.argv[1:] if argv is None else argv)}\n")
-    print("| list | op | mode | bytes/step | ours ms | ours GB/s | torch impl | torch ms | torch GB/s | torch/ours |")
-    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|")
+    print("| list | op | mode | bytes/step | chosen | ours ms | ours GB/s | our kernel ms | via torch ms | torch impl "
+          "| torch ms | torch GB/s | ours/torch |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
     rows = []
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for kind in args.lists:
         for mode in args.modes:
             for case in filter(None, build_cases(kind, mode, args.device, args.ops)):
-                ours = measure(case.ours, args.device, 1, 1)  # warm-up (state allocation, kernels)
-                theirs = measure(case.theirs, args.device, 1, 1) if case.theirs else None
-                ours_s, theirs_s = [], []
-                for _ in range(repeats):  # interleaved, so drifting load hits both alike
-                    ours_s.append(measure(case.ours, args.device, 1, inner))
-                    if case.theirs:
-                        theirs_s.append(measure(case.theirs, args.device, 1, inner))
-                ours = statistics.median(ours_s)
-                theirs = statistics.median(theirs_s) if theirs_s else None
-                row = dict(list=kind, op=case.op, mode=mode, bytes=case.bytes_moved, ours_ms=1e3 * ours,
-                           ours_gbs=case.bytes_moved / ours / 1e9, torch_impl=case.torch_impl,
-                           torch_ms=None if theirs is None else 1e3 * theirs,
-                           torch_gbs=None if theirs is None else case.bytes_moved / theirs / 1e9,
-                           ratio=None if theirs is None else theirs / ours)
+                variants = {"ours": case.ours}
+                if case.choice is not None:
+                    variants["kernel"] = forced(_choice.OURS, case.ours)
+                    variants["via_torch"] = forced(_choice.TORCH, case.ours)
+                if case.theirs:
+                    variants["torch"] = case.theirs
+                for fn in variants.values():
+                    measure(fn, args.device, 1, 1)  # warm-up (state allocation, kernels)
+                samples = {name: [] for name in variants}
+                for _ in range(repeats):  # interleaved, so drifting load hits every variant alike
+                    for name, fn in variants.items():
+                        samples[name].append(measure(fn, args.device, 1, inner))
+                t = {name: statistics.median(s) for name, s in samples.items()}
+                ms = lambda name: 1e3 * t[name] if name in t else None  # noqa: E731
+                chosen = ("torch kernel" if _choice.prefers_torch(*case.choice) else "our kernel") if case.choice else "ours"
+                row = dict(list=kind, op=case.op, mode=mode, bytes=case.bytes_moved, chosen=chosen, ours_ms=ms("ours"),
+                           ours_gbs=case.bytes_moved / t["ours"] / 1e9, kernel_ms=ms("kernel"),
+                           via_torch_ms=ms("via_torch"), torch_impl=case.torch_impl, torch_ms=ms("torch"),
+                           torch_gbs=case.bytes_moved / t["torch"] / 1e9 if "torch" in t else None,
+                           ratio=t["ours"] / t["torch"] if "torch" in t else None)
                 rows.append(row)
-                fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-                print(f"| {kind} | {case.op} | {mode} | {case.bytes_moved / 1e6:.0f} MB | {row['ours_ms']:.2f} | "
-                      f"{row['ours_gbs']:.1f} | {case.torch_impl} | {fmt(row['torch_ms'], '.2f')} | "
-                      f"{fmt(row['torch_gbs'], '.1f')} | {fmt(row['ratio'], '.2f')} |", flush=True)
+                print(f"| {kind} | {case.op} | {mode} | {case.bytes_moved / 1e6:.0f} MB | {chosen} | {row['ours_ms']:.2f} | "
+                      f"{row['ours_gbs']:.1f} | {fmt(row['kernel_ms'], '.2f')} | {fmt(row['via_torch_ms'], '.2f')} | "
+                      f"{case.torch_impl} | {fmt(row['torch_ms'], '.2f')} | {fmt(row['torch_gbs'], '.1f')} | "
+                      f"{fmt(row['ratio'], '.2f')} |", flush=True)
                 if args.json:
                     Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

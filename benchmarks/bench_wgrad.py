@@ -8,11 +8,12 @@ For Megatron-like shapes (tokens x in -> out), times in one run:
 and prints the fused/unfused, fused/fp32 and fused/gemm time ratios (lower is better for the fused op;
 fused/gemm is what accumulating into fp32 costs over the bare GEMM).
 On CPU the fused op serves 16-bit operands through one of three GEMM paths ("onednn": oneDNN's
-micro-kernel, "mkl": MKL's 16-bit GEMM, "aten": fp32 upcast of token blocks + sgemm), the one its
-one-time measurement found fastest on this CPU ("auto"); each usable path is also timed forced, in
-its own column. The header names the CPU, its bf16 flags, the libraries' ISA caps when set
-(ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS: they emulate a smaller CPU), the load average,
-the commit, and the auto measurement.
+micro-kernel, "mkl": MKL's 16-bit GEMM, "aten": fp32 upcast of token blocks + sgemm), the one
+measured fastest on this machine and cached beside the build ("auto", lightning_amp/ops/_wgrad_choice.py);
+each usable path is also timed forced, in its own column, with its own ratio to the unfused expression.
+The header names the CPU, its bf16 flags, the libraries' ISA caps when set (ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY: they emulate a smaller CPU), the load average, the
+commit, and how the auto path was decided (with the machine's measurement).
 
 Run: .venv/bin/python benchmarks/bench_wgrad.py [--repeat N] [--inner K] [--device cpu|cuda] [--dtype bf16|fp16]
      [--json FILE]
@@ -30,7 +31,7 @@ import statistics
 
 import torch
 
-from bench_optim import measure  # this folder is on sys.path when run as a script
+from bench_optim import add_cpu_options, apply_cpu_options, measure  # this folder is on sys.path as a script
 from lightning_amp import ops
 from lightning_amp.bench.meta import commit, cpu_bf16_flags
 from lightning_amp.bench.worker import device_description
@@ -79,26 +80,28 @@ def main() -> None:
                         help="time only this variant (fused, unfused, fp32, gemm or a CPU path: onednn, mkl, aten), "
                              "--repeat x --inner calls per shape, and print its times: for pairing whole processes "
                              "(farm-bench), which then differ only in the variant")
+    add_cpu_options(parser)
     args = parser.parse_args()
+    apply_cpu_options(args)
     inner = args.inner or (20 if args.device == "cuda" else 1)
     dev = args.device
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     name = str(dtype)[6:]
     ext = ops._ext_for(dev)
     cpu_hooks = dev == "cpu" and ext is not None
-    chosen = ext._wgrad_cpu_gemm_backend(name) if cpu_hooks else "cublas" if ext is not None else "torch"
+    chosen = ops.wgrad_cpu_gemm(dtype) if cpu_hooks else "cublas" if ext is not None else "torch"
     usable = [p for p, why in ext._wgrad_cpu_gemm_paths(name) if not why] if cpu_hooks else []
-    caps = ", ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ)
+    caps = ", ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                                                      "ATEN_CPU_CAPABILITY") if k in os.environ)
     print(f"bench_wgrad, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit()}, "
           f"{device_description(dev)}" + (f" [{cpu_bf16_flags()}]" if dev == "cpu" else "")
           + f", load average {os.getloadavg()[0]:.2f}")
     print(f"backend={ops.backend(dev)} dtype={args.dtype} torch={torch.__version__} threads={torch.get_num_threads()} "
-          f"device={dev}" + (f" library ISA caps: {caps}" if caps else ""))
+          f"clock={args.clock} device={dev}" + (f" library ISA caps: {caps}" if caps else ""))
     if cpu_hooks:
-        calibration = ", ".join(f"{p} {s * 1e3:.2f} ms" for p, s in ext._wgrad_cpu_gemm_calibration(name))
         unusable = "; ".join(f"{p}: {why}" for p, why in ext._wgrad_cpu_gemm_paths(name) if why)
-        print(f"auto path={chosen} (measured: {calibration})" + (f"; not usable: {unusable}" if unusable else ""))
-    cols = [f"{p} ms" for p in usable]
+        print(f"auto path={chosen}: {ops.wgrad_cpu_gemm_origin(dtype)}" + (f"; not usable: {unusable}" if unusable else ""))
+    cols = [f"{p} ms" for p in usable] + [f"{p}/unf" for p in usable]
     header = (f"{'tokens x in -> out':>22} | {'fused ms':>9} | " + " | ".join(f"{c:>9}" for c in cols)
               + (" | " if cols else "") + f"{'unfused ms':>10} | {'fp32 ms':>8} | "
               f"{'fused/unfused':>13} | {'fused/fp32':>10} | {'gemm ms':>8} | {'fused/gemm':>10} | {'fused GFLOP/s':>13}")
@@ -131,7 +134,7 @@ def main() -> None:
         t = _interleaved_medians(variants, args.repeat, dev, inner)
         fused, unfused, fp32, gemm = t["fused"], t["unfused"], t["fp32"], t["gemm"]
         gflops = 2.0 * tokens * n_in * n_out / fused / 1e9
-        per_path = " | ".join(f"{t[p] * 1e3:9.2f}" for p in usable)
+        per_path = " | ".join([f"{t[p] * 1e3:9.2f}" for p in usable] + [f"{t[p] / unfused:9.2f}" for p in usable])
         print(
             f"{f'{tokens} x {n_in} -> {n_out}':>22} | {fused * 1e3:9.2f} | " + per_path + (" | " if usable else "")
             + f"{unfused * 1e3:10.2f} | {fp32 * 1e3:8.2f} | "

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _ext
 from ._ext import _c10_name, _check_dense, _ext_accepts
-from . import _library
+from . import _choice, _library
 
 
 def _new_flag(tensors: Sequence[Tensor], device=None) -> Tensor:
@@ -127,10 +127,22 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> 
     if not tensors:
         return torch.zeros((), dtype=torch.float32), (torch.zeros(0) if per_tensor else None)
     if _ext._ext_for(tensors[0].device) is not None and _ext_accepts(tensors):
-        total, each = _library.run("multi_tensor_l2norm", list(tensors), bool(per_tensor))
+        device = tensors[0].device
+        if (_choice.prefers_torch("l2norm", device, tensors[0].dtype) and not _library.is_dtensor(tensors)
+                and all(t.device == device for t in tensors)):  # else the kernel's checks name the stray one
+            total, each = _torch_l2norm(tensors)
+        else:
+            total, each = _library.run("multi_tensor_l2norm", list(tensors), bool(per_tensor))
     else:
         total, each = _l2norm_fallback(tensors)
     return total, (each if per_tensor else None)
+
+
+def _torch_l2norm(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """torch's ``_foreach_norm`` (fp32 results, also of 16-bit tensors) and the norm of those norms: the
+    kernels' (global, per-tensor) pair, for tensors the kernels take (checked by the caller)."""
+    each = torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
+    return torch.linalg.vector_norm(each), each
 
 
 def _l2norm_fallback(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _ext
 from ._ext import _c10_name, _check_dense, _check_float_like
-from . import _dtensor, _library
+from . import _choice, _dtensor, _library
 from ._dtensor import DTensor as _DTensor  # None: torch built without distributed
 
 
@@ -217,10 +217,65 @@ def _unscale_back(grads: Sequence[Tensor], taken: list, grad_scale: Optional[Ten
         torch._foreach_copy_(list(grads), taken)
 
 
+def _torch_kernel_keeps_semantics(params: Sequence[Tensor], grads: Sequence[Tensor], model_copies) -> bool:
+    """Whether torch's fused kernel can serve these lists with our semantics as they are: grads of the
+    params' dtype (torch unscales them in place), no 16-bit model copies to write in the same pass,
+    plain tensors, eager mode (torch's fused CPU kernels have no fake kernel for a trace)."""
+    return (model_copies is None and len(grads) == len(params) and isinstance(grads[0], Tensor)
+            and grads[0].dtype == params[0].dtype and not torch.compiler.is_compiling()
+            and not _library.is_dtensor(params))
+
+
+def _skip_flag(found_inf: Optional[Tensor]) -> Optional[Tensor]:
+    """``found_inf`` as torch's fused kernels read it: they skip only on exactly 1.0, ours on any
+    non-zero value (a device op, no host read)."""
+    return None if found_inf is None else found_inf.reshape(()).ne(0).float()
+
+
+def _torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
+                adam_w_mode, grad_scale, found_inf) -> None:
+    """One step through torch's fused Adam/AdamW kernel (lists as :func:`_torch_kernel_keeps_semantics`
+    allows, bias correction on) with our semantics: the kernel divides the grads by ``grad_scale`` and
+    writes them back unscaled, and skips everything (grads included) under the flag; the step counters it
+    reads advanced are put back on a skipped step, on the device."""
+    steps = list(steps)
+    skip = _skip_flag(found_inf)
+    torch._foreach_add_(steps, 1.0)
+    fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    fused(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+          list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [], steps, lr=lr, beta1=beta1, beta2=beta2,
+          weight_decay=weight_decay, eps=eps, amsgrad=max_exp_avg_sqs is not None, maximize=False,
+          grad_scale=None if grad_scale is None else grad_scale.reshape(()), found_inf=skip)
+    if skip is not None:
+        torch._foreach_sub_(steps, [skip] * len(steps))
+
+
+def _torch_sgd_usable(params: Sequence[Tensor], momentum: float) -> bool:
+    """torch's fused SGD keeps our numerics for fp32 params, and for 16-bit ones on CUDA without momentum:
+    torch 2.13's CPU ``_fused_sgd_`` leaves the vectorised part of bf16/fp16 params unchanged (measured:
+    1000 ones, lr 0.1, grad 1 -> only the tail moves), and its CUDA kernel updates 16-bit params with the
+    momentum before it is rounded to the buffer's dtype, where ``torch.optim.SGD`` (and our kernels) use
+    the stored one."""
+    return params[0].dtype == torch.float32 or (params[0].is_cuda and momentum == 0)
+
+
+def _torch_sgd(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, first_run,
+               grad_scale, found_inf) -> None:
+    """One step through torch's fused SGD kernel with our semantics (as :func:`_torch_adam`; no counters)."""
+    torch._fused_sgd_(list(params), list(grads), list(momentum_buffers) if momentum != 0 else [],
+                      weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                      maximize=False, is_first_step=first_run,
+                      grad_scale=None if grad_scale is None else grad_scale.reshape(()), found_inf=_skip_flag(found_inf))
+
+
 def _adam_fallback(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
                    weight_decay, adam_w_mode, bias_correction, grad_scale, found_inf, model_copies) -> None:
     """torch's own fused Adam/AdamW kernel (same math: fp32 opmath, decoupled or L2 decay, AMSGrad)
     where it applies (bias correction on, grads convertible), else a per-tensor loop."""
+    if bias_correction and _torch_kernel_keeps_semantics(params, grads, model_copies):
+        _torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
+                    weight_decay, adam_w_mode, grad_scale, found_inf)
+        return
     with _undone_if(found_inf, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_copies,
                     _written(grads, grad_scale)):
         fused_grads = _torch_fused_grads(params, grads) if bias_correction else None
@@ -291,7 +346,9 @@ def multi_tensor_adam(
     ``checked=True``: the caller validated the lists (a cached plan), so the fallback skips its
     per-tensor Python checks; the compiled op checks every argument in C++ on every call either way.
     """
-    if _compiled(params):  # DTensors: through DTensor's dispatch (ops._dtensor), on their local shards
+    if _compiled(params) and not (bias_correction and _choice.prefers_torch("adam", params[0].device, params[0].dtype)
+                                  and _torch_kernel_keeps_semantics(params, grads, model_copies)):
+        # DTensors: through DTensor's dispatch (ops._dtensor), on their local shards
         _library.run(
             "multi_tensor_adam", list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
             list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [], list(steps),
@@ -314,16 +371,15 @@ def multi_tensor_adam(
 
 def _sgd_fallback(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, first_run,
                   grad_scale, found_inf, model_copies) -> None:
-    """torch's own fused SGD kernel (torch.optim.SGD semantics) where the grads allow, else a loop.
-
-    Not for 16-bit params on the CPU: torch 2.13's CPU ``_fused_sgd_`` leaves the vectorised part
-    of bf16/fp16 params unchanged (measured: 1000 ones, lr 0.1, grad 1 -> only the tail moves); nor for
-    16-bit params with momentum on CUDA: torch's kernel updates them with the momentum before it is
-    rounded to the buffer's dtype, where ``torch.optim.SGD`` (and the compiled ops) use the stored one."""
+    """torch's own fused SGD kernel (torch.optim.SGD semantics) where it keeps our numerics
+    (:func:`_torch_sgd_usable`), else a loop."""
+    if _torch_sgd_usable(params, momentum) and _torch_kernel_keeps_semantics(params, grads, model_copies):
+        _torch_sgd(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, first_run,
+                   grad_scale, found_inf)
+        return
     with _undone_if(found_inf, params, momentum_buffers if momentum != 0 else None, model_copies,
                     _written(grads, grad_scale)):
-        usable = params[0].dtype == torch.float32 or (params[0].is_cuda and momentum == 0)
-        fused_grads = _torch_fused_grads(params, grads) if usable else None
+        fused_grads = _torch_fused_grads(params, grads) if _torch_sgd_usable(params, momentum) else None
         if fused_grads is not None:
             torch._fused_sgd_(list(params), fused_grads, list(momentum_buffers) if momentum != 0 else [],
                               weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
@@ -373,7 +429,10 @@ def multi_tensor_sgd(
     ``checked``: as :func:`multi_tensor_adam`."""
     if momentum != 0 and momentum_buffers is None:
         raise ValueError("multi_tensor_sgd: momentum_buffers are required when momentum != 0")
-    if _compiled(params):  # DTensors: through DTensor's dispatch (ops._dtensor), on their local shards
+    if _compiled(params) and not (_choice.prefers_torch("sgd", params[0].device, params[0].dtype)
+                                  and _torch_sgd_usable(params, momentum)
+                                  and _torch_kernel_keeps_semantics(params, grads, model_copies)):
+        # DTensors: through DTensor's dispatch (ops._dtensor), on their local shards
         _library.run(
             "multi_tensor_sgd", list(params), list(grads), list(momentum_buffers) if momentum != 0 else [],
             list(model_copies) if model_copies is not None else [],

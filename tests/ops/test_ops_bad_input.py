@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_amp import ops
+from lightning_amp.ops import _choice
 
 EXT = ops._ext_for("cpu")
 needs_ext = pytest.mark.skipif(EXT is None, reason=f"compiled extension not loaded: {ops.extension_error()}")
@@ -198,10 +199,18 @@ def _fallback_params():
             yield pytest.param(name, case, stray, id=f"{name}-{case}" + (f"+{stray}" if stray else ""))
 
 
+@pytest.mark.parametrize("impl", ["fallback", "ext-torch"])
 @pytest.mark.parametrize("name,case,stray", list(_fallback_params()))
-def test_fallback_bad_input_raises_as_the_entry_point(name, case, stray, monkeypatch):
-    """The public op on the fallback path (checked in Python) raises what the C++ entry point raises."""
-    monkeypatch.setattr(ops._ext, "_EXT", None)
+def test_fallback_bad_input_raises_as_the_entry_point(name, case, stray, impl, monkeypatch):
+    """The public op on the fallback path (checked in Python) raises what the C++ entry point raises; so
+    does the public op with the extension loaded and torch's kernels chosen wherever they can serve
+    (lightning_amp/ops/_choice.py)."""
+    if impl == "fallback":
+        monkeypatch.setattr(ops._ext, "_EXT", None)
+    elif EXT is None:
+        pytest.skip(f"compiled extension not loaded: {ops.extension_error()}")
+    else:
+        monkeypatch.setattr(_choice, "forced", _choice.TORCH)
     _, breaker, exc, pattern = CASES[case]
     pattern = FALLBACK_PATTERNS.get((case, name), pattern)
     spec = OPS[name]

@@ -1,5 +1,8 @@
 """The pure-PyTorch fallbacks of the fused optimizer ops (torch's own fused Adam/AdamW/SGD kernels
-where they apply, per-tensor loops elsewhere) against the compiled kernels, on the CPU.
+where they apply, per-tensor loops elsewhere) against the compiled kernels, on the CPU; and, with the
+extension loaded, torch's kernels where the choice table (lightning_amp/ops/_choice.py) may take them
+("ext-torch": forced wherever both can serve) against ours (forced), so both paths of the choice run here
+whatever the table says on this machine.
 
 Each case runs three steps on the same fresh random inputs through the extension and through
 the fallback (``ops._ext._EXT`` switched off), with a loss scale to divide out, then a step with
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from lightning_amp import ops
+from lightning_amp.ops import _choice
 
 EXT = ops._ext_for("cpu")
 pytestmark = pytest.mark.skipif(EXT is None, reason=f"compiled extension not loaded: {ops.extension_error()}")
@@ -30,26 +34,31 @@ def _host_read(*args, **kwargs):
     raise AssertionError("host read of a tensor inside the fallback")
 
 
-def _run(op, state_names, kwargs, pdtype, gdtype, copies, use_ext, monkeypatch, seed):
+IMPLS = {"ext": (True, _choice.OURS), "ext-torch": (True, _choice.TORCH), "fallback": (False, None)}
+
+
+def _run(op, state_names, kwargs, pdtype, gdtype, copies, impl, monkeypatch, seed):
     """Three steps (grad_scale 4) plus one skipped step; returns every tensor the op may write."""
+    use_ext, forced = IMPLS[impl]
     params, *states = _lists(1 + len(state_names), pdtype, seed)
     states = [[s.abs() for s in lst] for lst in states]  # second moments and deltas are >= 0
     steps = [torch.zeros(()) for _ in SHAPES] if "steps" in kwargs else None
     model_copies = [p.to(torch.bfloat16) for p in params] if copies else None
     with monkeypatch.context() as m:
+        m.setattr(_choice, "forced", forced)
         if not use_ext:
             m.setattr(ops._ext, "_EXT", None)
         for step in range(4):
             (grads,) = _lists(1, gdtype, seed + 100 + step)
             grads = [g * 4 for g in grads]
-            found_inf = torch.tensor(1.0 if step == 3 else 0.0)
+            found_inf = torch.tensor(2.0 if step == 3 else 0.0)  # any non-zero flag skips (torch's kernels: 1.0 only)
             args = dict(kwargs, grad_scale=torch.tensor(4.0), found_inf=found_inf, model_copies=model_copies)
             if steps is not None:
                 args["steps"] = steps
             written = params + sum(states, []) + (steps or []) + (model_copies or [])
             before = [t.clone() for t in written]
             with monkeypatch.context() as no_reads:
-                if not use_ext:  # the fallback honours found_inf on the device: a host read raises
+                if impl != "ext":  # the fallback and torch's kernels honour found_inf on the device: a host read raises
                     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
                         no_reads.setattr(torch.Tensor, name, _host_read)
                 op(params, grads, *states, **args)
@@ -81,16 +90,17 @@ DTYPES = [(torch.float32, torch.float32, False), (torch.float32, torch.bfloat16,
           (torch.bfloat16, torch.bfloat16, False)]
 
 
+@pytest.mark.parametrize("other", ["fallback", "ext-torch"])
 @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{str(d[0])[6:]}-{str(d[1])[6:]}{'-copies' if d[2] else ''}")
 @pytest.mark.parametrize("case", list(CASES))
-def test_fallback_matches_extension(case, dtypes, monkeypatch):
+def test_fallback_matches_extension(case, dtypes, other, monkeypatch):
     op, state_names, kwargs = CASES[case]
     kwargs = dict(kwargs)
     if "momentum" in kwargs:
         kwargs["first_run"] = False
     seed = torch.seed() % 2**31
-    ext = _run(op, state_names, kwargs, *dtypes, use_ext=True, monkeypatch=monkeypatch, seed=seed)
-    ref = _run(op, state_names, kwargs, *dtypes, use_ext=False, monkeypatch=monkeypatch, seed=seed)
+    ext = _run(op, state_names, kwargs, *dtypes, impl="ext", monkeypatch=monkeypatch, seed=seed)
+    ref = _run(op, state_names, kwargs, *dtypes, impl=other, monkeypatch=monkeypatch, seed=seed)
     pdtype = dtypes[0]
     roundings = 32 if case == "adadelta" else 16
     tol = 3 * 2 * roundings * 2.0 ** -24 if pdtype == torch.float32 else torch.finfo(pdtype).eps
@@ -123,13 +133,15 @@ def test_fallback_writes_the_callers_grads_as_the_extension(case, dtypes, monkey
     pdtype, gdtype, copies = dtypes
     seed = torch.seed() % 2**31
     results = []
-    for use_ext in (True, False):
+    for impl in IMPLS:
+        use_ext, forced = IMPLS[impl]
         params, *states = _lists(1 + len(state_names), pdtype, seed)
         states = [[s.abs() for s in lst] for lst in states]
         steps = {"steps": [torch.zeros(()) for _ in SHAPES]} if "steps" in kwargs else {}
         model_copies = [p.to(torch.bfloat16) for p in params] if copies else None
         seen = []
         with monkeypatch.context() as m:
+            m.setattr(_choice, "forced", forced)
             if not use_ext:
                 m.setattr(ops._ext, "_EXT", None)
             for i, (scale, found) in enumerate([(65536.0, 0.0), (65536.0, 1.0), (None, 0.0)]):
@@ -141,8 +153,9 @@ def test_fallback_writes_the_callers_grads_as_the_extension(case, dtypes, monkey
                 assert len(grads) == len(given) and all(a is b for a, b in zip(grads, given))
                 want = unscaled if scale is not None and not found else scaled
                 for j, (g, w) in enumerate(zip(grads, want)):
-                    assert torch.equal(g, w), (i, j, "ext" if use_ext else "fallback", f"seed {seed}")
+                    assert torch.equal(g, w), (i, j, impl, f"seed {seed}")
                 seen.append([g.clone() for g in grads])
         results.append(seen)
-    for a, b in zip(*results):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -370,7 +370,7 @@ def test_lamb_two_passes_use_the_reduced_norms(pdtype, copies, path, monkeypatch
     built: passed on unchanged, the squared norms give the one-call result bitwise; param norms summed over
     "4 shards" of equal norm (x4 squared) give the one-call result at twice the lr (trust ratio x2); with
     found_inf set nothing changes and the reduction still runs (every rank joins the all-reduce)."""
-    if path == "ext":
+    if path.startswith("ext"):  # LAMB has no torch kernel: ours either way
         monkeypatch.setattr(ops.optim, "_lamb_fallback", lambda *a, **k: pytest.fail("sharded LAMB left the kernels"))
     calls = []
 
@@ -381,7 +381,7 @@ def test_lamb_two_passes_use_the_reduced_norms(pdtype, copies, path, monkeypatch
     one_call = _lamb_run(pdtype, copies, None)
     for a, b in zip(one_call, _lamb_run(pdtype, copies, unchanged)):
         assert torch.equal(a, b)
-    assert calls == [torch.float64 if path == "ext" else torch.float32] * 3
+    assert calls == [torch.float64 if path.startswith("ext") else torch.float32] * 3
     doubled = _lamb_run(pdtype, copies, None, lr=2e-2)
     four_shards = _lamb_run(pdtype, copies, lambda sq: sq * torch.tensor([4.0, 1.0], dtype=sq.dtype))
     for a, b in zip(doubled, four_shards):
