@@ -17,8 +17,8 @@ policy (``LIGHTNING_AMP_WGRAD_CPU_GEMM`` unset or ``auto``) the first 16-bit cal
    falls back to the rule). Where the cache can be neither read nor written, the extension's rule of the
    CPU decides (the same answer in every process): :func:`status` says which happened.
 
-Not thread-safe by design of its callers' needs: two threads of one process may both measure (the lock
-is per open file), and both write the same kind of answer.
+Threads of one process deciding at once wait on the same lock (each opens the lock file itself, and
+``flock`` locks are per open file), so the second reads what the first wrote.
 """
 from __future__ import annotations
 
