@@ -1,7 +1,8 @@
 """The one door to the compiled core ``lightning_amp._C``.
 
 Every op here dispatches to the compiled extension when it is built for the tensors'
-device and falls back to a pure-PyTorch implementation otherwise. The fallback is loud: a
+device (or to torch's own fused kernel where that measured faster, :mod:`._choice`) and falls back
+to a pure-PyTorch implementation otherwise. The fallback is loud: a
 RuntimeWarning at import names why the extension is not in use (not built, or built but
 failing to load, with the loader's error), and ``lightning-amp info`` prints it.
 Environment switches (read once, at import):
@@ -47,6 +48,8 @@ Layout of the package (everything public is re-exported here):
 * :mod:`._ext`: loading the extension (prebuilt, else a first-use build), the switches, :func:`backend`;
 * :mod:`._build`: what a build is made of and for, the per-user cache of first-use builds;
 * :mod:`._wgrad_choice`: the CPU wgrad GEMM path of this machine, measured once and cached beside the build;
+* :mod:`._choice`: per device and dtype, our kernel or torch's fused one (Adam/AdamW, SGD, the L2 norm),
+  whichever measured faster, where torch's keeps our semantics;
 * :mod:`._library`: the compiled kernels as torch.library operators ``torch.ops.lightning_amp.*``
   (schemas with their writes declared, fake kernels), so ``torch.compile`` traces through them;
   their arguments are checked in C++ only. ``_library.run`` calls the operator under a trace or a
