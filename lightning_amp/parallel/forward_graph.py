@@ -156,7 +156,7 @@ class _Reader(fx.Tracer):
 
     # -- fx hooks (public, backward compatible unless noted in docs/architecture.md)
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return is_conv1d(m) or super().is_leaf_module(m, qualname)
+        return is_projection(m) or super().is_leaf_module(m, qualname)
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         return super().create_args_for_root(inspect.unwrap(root_fn), is_module, concrete_args)

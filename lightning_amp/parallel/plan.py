@@ -26,14 +26,14 @@ import copy
 import difflib
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from lightning_amp.parallel.auto_units import auto_units
 from lightning_amp.parallel.between import between_problem
-from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan  # noqa: F401 (re-exported)
+from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan, validate_unsplit_ok  # noqa: F401
 from lightning_amp.parallel.families import HEAD_ATTRS, Unit, is_conv1d, multihead_attention_unit
 from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
@@ -44,6 +44,7 @@ from lightning_amp.parallel.projections import is_projection
 from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
 from lightning_amp.parallel.report import Conversion, PlanReport, SplitUnit
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs
+from lightning_amp.parallel.unsplit import unmatched_globs, unsplit_problems
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
 #: the layers a conversion makes (a model holding one is converted already)
@@ -148,20 +149,25 @@ def _dims(module: nn.Module, name: str) -> tuple[int, int]:
 
 
 def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
-               sequence_parallel: bool = False, allow_replicated: bool = False) -> Plan:
+               sequence_parallel: bool = False, allow_replicated: bool = False, unsplit_ok: Sequence[str] = ()) -> Plan:
     """The validated plan for ``module`` at TP size ``tp``; changes nothing. Raises ValueError naming the
-    module paths of every unit that cannot be split, and when nothing would be split at ``tp > 1``
-    unless ``allow_replicated``."""
+    module paths of every unit that cannot be split, of every attention ``plan="auto"`` would leave whole that
+    no glob of ``unsplit_ok`` accepts (:mod:`~lightning_amp.parallel.unsplit`), and when nothing would be split
+    at ``tp > 1`` unless ``allow_replicated``."""
     validate_plan(plan)
+    unsplit_ok = validate_unsplit_ok(unsplit_ok)
+    problems = [f"unsplit_ok: {glob!r} matches no module of {type(module).__name__}"
+                for glob in unmatched_globs(module, unsplit_ok)]
     if plan == "auto":
         found = auto_units(module, tp)
         units, whole = found.units, found.whole
+        if tp > 1:
+            problems += unsplit_problems(module, whole, tp, unsplit_ok)
     else:
         units = _explicit_units(module, _explicit_decisions(module, plan), tp)
         planned = {m for u in units for m in u.members}
         whole = {name: "not named by the plan" for name, m in module.named_modules()
                  if is_projection(m) and name not in planned}
-    problems = []
     for unit in units:
         if unit.problem:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {unit.problem}")
@@ -319,7 +325,8 @@ def convert_model(module: nn.Module, group: Any = None, config: Optional[TensorP
     was found, what was left whole and why). ``config``: the options (default ``TensorParallelConfig()``);
     ``layer_kwargs`` go to every parallel layer."""
     config = TensorParallelConfig() if config is None else config
-    checked = build_plan(module, config.plan, group_size(group), config.sequence_parallel, config.allow_replicated)
+    checked = build_plan(module, config.plan, group_size(group), config.sequence_parallel, config.allow_replicated,
+                         config.unsplit_ok)
     return apply_checked_plan(module, checked, group, config, **layer_kwargs)
 
 
