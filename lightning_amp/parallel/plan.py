@@ -44,7 +44,7 @@ from lightning_amp.parallel.projections import is_projection
 from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
 from lightning_amp.parallel.report import Conversion, PlanReport, SplitUnit
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs
-from lightning_amp.parallel.unsplit import unmatched_globs, unsplit_problems
+from lightning_amp.parallel.unsplit import accepted, unmatched_globs, unsplit_problems
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
 #: the layers a conversion makes (a model holding one is converted already)
@@ -162,6 +162,7 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
         found = auto_units(module, tp)
         units, whole = found.units, found.whole
         if tp > 1:
+            units = _accept_unsplit(units, whole, unsplit_ok)
             problems += unsplit_problems(module, whole, tp, unsplit_ok)
     else:
         units = _explicit_units(module, _explicit_decisions(module, plan), tp)
@@ -189,8 +190,9 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
                             "nn.MultiheadAttention and for column/row layers in one parent module only")
     if problems:
         raise ValueError("tp_fused: the plan cannot be applied (nothing was changed):\n  " + "\n  ".join(problems)
-                         + "\nChoose a tensor_parallel_size that divides them, or pass plan={'glob': 'column'|'row'|"
-                         "'replicate'} to pick the layers to split.")
+                         + "\nChoose a tensor_parallel_size that divides them, pass plan={'glob': 'column'|'row'|"
+                         "'replicate'} to pick the layers to split, or unsplit_ok=['glob.of.attention'] to keep an "
+                         "attention whole on every rank on purpose.")
     if not units and tp > 1 and not allow_replicated:
         raise ValueError(
             f"tp_fused: no layer of {type(module).__name__} can be split across {tp} ranks (no nn.MultiheadAttention, "
@@ -202,6 +204,19 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
     for unit in units:
         result.decisions.update(_unit_kinds(unit))
     return result
+
+
+def _accept_unsplit(units: list[Unit], whole: dict[str, str], unsplit_ok: Sequence[str]) -> list[Unit]:
+    """``units`` but those that cannot be split and that ``unsplit_ok`` accepts, whose layers go to ``whole``."""
+    kept = []
+    for unit in units:
+        globs = {accepted(member, unsplit_ok) for member in unit.members}
+        if unit.problem is None or None in globs:
+            kept.append(unit)
+            continue
+        for member in unit.members:
+            whole[member] = f"left whole as unsplit_ok={accepted(member, unsplit_ok)!r} allows: {unit.problem}"
+    return kept
 
 
 #: families whose column -> row data flow is not fixed by the family's own code and must be checked

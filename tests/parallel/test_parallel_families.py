@@ -24,6 +24,7 @@ import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.trainer.strategy import TensorParallelStrategy
+from support import fused_families
 from support.processes import free_port
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -80,7 +81,9 @@ def hf_models(names=FAMILIES):
     }
     models = {}
     for name in names:
-        if name in builders:
+        if name in fused_families.FAMILIES:
+            models[name] = fused_families.build(name)
+        elif name in builders:
             models[name] = builders[name]()
         elif name in RENAMED:
             models[name] = builders[name.removesuffix("_renamed")]()

@@ -2,7 +2,7 @@
 anything changes, naming the model, the module path, the reason read from that module itself and what to pass
 instead; ``unsplit_ok=[globs]`` (validated when the options are built) keeps it whole on purpose, with the reason in
 the plan report. Models nobody here wrote: tiny random-init ``transformers`` MPT (its forward cannot be read by fx)
-and a BLOOM-like attention whose product the reading cannot see; and an MLP with a residual inside its two layers,
+and BLOOM (its scores come from ``torch.baddbmm``, a product the reading does not know), and a BLOOM-like attention; and an MLP with a residual inside its two layers,
 refused under the names the plan knows (``fc1``/``fc2``) as under any other (issue 48: it was split and crashed with a
 size mismatch at the first forward)."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ from lightning_amp.parallel import TensorParallelConfig
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.trainer.strategy import TensorParallelStrategy
 from lightning_amp.fabric import TensorParallelStrategy as FabricTensorParallelStrategy
+from support.fused_families import build
 from support.optional_deps import require
 
 V, H = 64, 32
@@ -34,10 +35,8 @@ def _refused(model: nn.Module, tp: int = 2, **kwargs) -> str:
 
 
 def mpt():
-    transformers = require("transformers")
-    torch.manual_seed(0)
-    return transformers.MptForCausalLM(transformers.MptConfig(vocab_size=V, d_model=H, n_layers=2, n_heads=4,
-                                                              max_seq_len=16, expansion_ratio=2))
+    require("transformers")
+    return build("mpt")
 
 
 class ScoresByBaddbmm(nn.Module):
@@ -76,6 +75,17 @@ def test_mpt_attention_is_refused_with_its_own_reason_and_the_way_out():
     assert "Its Wqkv is a fused projection" in message
     assert "unsplit_ok=['transformer.blocks.*.attn']" in message
     assert "transformer.blocks.1.attn" in message  # every block's attention is named
+
+
+def test_bloom_attention_is_refused_and_accepted_whole_on_purpose():
+    require("transformers")
+    model = build("bloom")
+    message = _refused(model)
+    assert "BloomForCausalLM: the attention transformer.h.0.self_attention (BloomAttention) would be left whole on " \
+           "every rank" in message and "shows no attention product" in message, message
+    assert "unsplit_ok=['transformer.h.*.self_attention']" in message
+    plan = build_plan(model, "auto", 2, unsplit_ok=["transformer.h.*.self_attention"])
+    assert [u.family for u in plan.units] == ["named MLP"] * 2
 
 
 def test_unsplit_ok_keeps_the_named_attentions_whole_with_the_reason_in_the_plan():
