@@ -44,6 +44,7 @@ from lightning_amp.parallel.projections import is_projection
 from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
 from lightning_amp.parallel.report import Conversion, PlanReport, SplitUnit
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs
+from lightning_amp.parallel.shared_input import SharedInput
 from lightning_amp.parallel.unsplit import accepted, unmatched_globs, unsplit_problems
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
@@ -276,7 +277,21 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
         setattr(parent, attr, new)
         kind = "replicated" if name in unit.replicated_heads else "column" if name in unit.columns else "row"
         rows.append(Conversion(name, type(child).__name__, kind, detail))
+    _share_input(module, unit, group)
     return rows
+
+
+def _share_input(module: nn.Module, unit: Unit, group: Any) -> None:
+    """Give the unit's column layers one input collective (:mod:`~lightning_amp.parallel.shared_input`) when two or
+    more of them take their input alike (the same sequence-parallel mode, outputs not gathered)."""
+    columns = [module.get_submodule(name) for name in unit.columns]
+    columns = [c for c in columns if hasattr(c, "shared_input") and not getattr(c, "gather_output", False)]
+    modes = {(c.sequence_parallel, c.sequence_dim) for c in columns}
+    if len(columns) > 1 and len(modes) == 1 and group_size(group) > 1:
+        ((sequence_parallel, sequence_dim),) = modes
+        shared = SharedInput(group, sequence_parallel, sequence_dim)
+        for column in columns:
+            column.shared_input = shared
 
 
 def _set_head_values(module: nn.Module, unit: Unit) -> dict[str, tuple[int, int]]:
