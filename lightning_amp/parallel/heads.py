@@ -270,7 +270,7 @@ class _Reading:
         width = widths_of(self._layer(self.members[0]))[1]
         value = self.graph.value(split)
         if _indexed(split) and (self.graph.shape(split) or (0,))[-1] == width:
-            return self._sliced(split, width, self.graph.shape(split)[-1], width)
+            return self._sliced(split, width, width)
         if split.target in _SPLIT_METHODS and isinstance(value, (tuple, list)) and len(value) == 3:
             blocks = [t.shape[-1] for t in value]
             if sum(blocks) != width or blocks[0] % d or blocks[1] % d or blocks[2] % dv:
@@ -290,15 +290,15 @@ class _Reading:
                 and split.target in ("view", "reshape", torch.reshape, "unflatten"):
             trailing = tuple(shape[len(lead) - 1:])
             if len(trailing) == 2 and trailing[1] == d and _indexed(split):  # (..., heads, d), then sliced
-                return self._sliced(split, trailing[0], trailing[0], width, unit=d)
+                return self._sliced(split, trailing[0], width, unit=d)
             if len(trailing) >= 2 and d == dv and trailing[0] != 3:  # (..., 3, rest): blocks of q, k, v or 3 groups?
                 return self._groups(trailing[0], width)
         raise _Unsplittable(f"cannot tell how {self.members[0]} is split into query, key and value "
                             f"({_describe(split)} of its output)")
 
-    def _sliced(self, node: fx.Node, size: int, extent: int, width: int, unit: int = 1) -> AttentionShape:
-        """The shape of a fused projection whose output ``node`` (``extent`` entries of ``unit`` features in its
-        last indexed dimension, ``size`` of them in all) is cut into ``[q | k | v]`` by three indexings
+    def _sliced(self, node: fx.Node, extent: int, width: int, unit: int = 1) -> AttentionShape:
+        """The shape of a fused projection of ``width`` outputs whose output ``node`` (``extent`` entries of ``unit``
+        features in its last indexed dimension) is cut into ``[q | k | v]`` by three indexings
         (``qkv[..., a:b]``, or ``heads[..., [-2], :]`` of a view into heads: Falcon's multi-query layout)."""
         d, dv = self.head_size, self.v_size
         cuts = []
@@ -311,8 +311,8 @@ class _Reading:
                 cuts.append((span, self._role(user)))
         cuts.sort()
         spans = [span for span, _ in cuts]
-        if len(cuts) != 3 or spans[0][0] != 0 or spans[-1][1] != size or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
-            raise _Unsplittable(f"{self.members[0]}'s output is cut into {spans}, not three runs covering its {size}")
+        if len(cuts) != 3 or spans[0][0] != 0 or spans[-1][1] != extent or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+            raise _Unsplittable(f"{self.members[0]}'s output is cut into {spans}, not three runs covering its {extent}")
         if [role for _, role in cuts] != ["q", "k", "v"]:
             raise _Unsplittable(f"{self.members[0]} holds its blocks in the order {[r for _, r in cuts]}, not [q | k | v]")
         blocks = [(b - a) * unit for a, b in spans]
@@ -336,13 +336,8 @@ class _Reading:
         return next((name for name, arg in zip("qkv", (q, k, v)) if arg is node or node in _ancestors(arg)), "?")
 
     def _block_of(self, split: fx.Node, index: int) -> str:
-        q, k, v, _ = self.product
-        for user in split.users:
-            if user.target is operator.getitem and user.args[1] == index:
-                for name, arg in zip("qkv", (q, k, v)):
-                    if arg is user or user in _ancestors(arg):
-                        return name
-        return "?"
+        user = next((u for u in split.users if u.target is operator.getitem and u.args[1] == index), None)
+        return "?" if user is None else self._role(user)
 
     def read_values(self) -> dict:
         """Every int attribute some reading's ops read, with its value."""
