@@ -168,3 +168,21 @@ def test_an_mlp_with_a_residual_between_its_layers_is_refused_under_any_names(na
     assert f"0.{names[0]}" in message, message
     x = torch.randn(2, 5, H)
     assert model(x).shape == x.shape  # the model itself runs: the refusal is the plan's
+
+
+def test_the_strategies_config_carries_unsplit_ok_to_the_conversion():
+    """What the strategies' setup calls (``convert_model`` with their config), as rank 0 of 2: refused without
+    ``unsplit_ok``, converted with it, the reason in the report."""
+    from lightning_amp.parallel.layers import RowParallelLinear
+    from lightning_amp.parallel.plan import convert_model
+    from support.simulated_ranks import as_rank
+
+    require("transformers")
+    config = TensorParallelStrategy(unsplit_ok=["transformer.h.*.self_attention"]).config
+    with as_rank(0, 2):
+        with pytest.raises(ValueError, match="unsplit_ok=\\['transformer.h.\\*.self_attention'\\]"):
+            convert_model(build("bloom"), None, TensorParallelConfig())
+        model = build("bloom")
+        report = convert_model(model, None, config)
+    assert sum(isinstance(m, RowParallelLinear) for m in model.modules()) == 2  # the MLPs
+    assert "left whole as unsplit_ok=" in report.format()
