@@ -164,7 +164,8 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
         units, whole = found.units, found.whole
         if tp > 1:
             units = _accept_unsplit(units, whole, unsplit_ok)
-            problems += unsplit_problems(module, whole, tp, unsplit_ok)
+            if units or not allow_replicated:  # allow_replicated with nothing split: every layer whole on purpose
+                problems += unsplit_problems(module, whole, tp, unsplit_ok)
     else:
         units = _explicit_units(module, _explicit_decisions(module, plan), tp)
         planned = {m for u in units for m in u.members}

@@ -110,6 +110,9 @@ def test_an_attention_without_a_product_the_reading_knows_is_refused_with_the_pl
     assert "unsplit_ok=['*.self_attention']" in message
     assert build_plan(model, "auto", 2, unsplit_ok=["*.self_attention"]).units  # the MLPs are split
     build_plan(model, "auto", 1)  # tp=1 divides nothing: nothing is refused
+    lone = nn.Sequential(ScoresByBaddbmm())
+    assert "would be left whole" in _refused(lone)
+    assert build_plan(lone, "auto", 2, allow_replicated=True).units == []  # the whole model replicated on purpose
 
 
 class SeparateButUnread(nn.Module):
