@@ -5,7 +5,9 @@ under sequence parallelism). Layers that read the *same* input (``q``, ``k``, ``
 once each: 5 all-reduces per Llama block where Megatron's layers do 2. A :class:`SharedInput` given to the columns of
 one unit puts their input into the TP region once (:func:`~lightning_amp.parallel.comm.copy_to_tensor_parallel_region`,
 or :func:`~lightning_amp.parallel.comm.gather_from_sequence_parallel_region`) and hands every layer of the unit that
-reads that same tensor the same result; the layers then run their GEMM with no collective of their own. Autograd sums
+reads that same tensor the same result; the layers then run their GEMM with no collective of their own (the
+replicated key/value rows of a fused ``[q | k | v]``, :mod:`~lightning_amp.parallel.fused_qkv`, take the same entry
+as its query rows). Autograd sums
 their input gradients into the region's output, and the region's backward reduces the sum once: the adjoint of one
 copy read several times is the sum of the reads' gradients, so the result equals the layers' own collectives.
 
