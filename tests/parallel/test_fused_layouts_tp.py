@@ -15,7 +15,7 @@ import torch
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.trainer.strategy import TensorParallelStrategy
 from support.fused_families import build
-from test_parallel_families import STEPS, Zoo, fit, needs_transformers, rel_loss_diff, state_diff
+from support.families_zoo import STEPS, Zoo, fit, needs_transformers, rel_loss_diff, state_diff
 
 SPLIT = ("phi3", "neox", "falcon_mq", "falcon_new")
 #: per family, per block: its attention's layout as the reading found it

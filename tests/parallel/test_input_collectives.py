@@ -27,7 +27,7 @@ def _model(name: str) -> torch.nn.Module:
         return litgpt.GPT(litgpt.Config(n_layer=LAYERS, n_embd=32, n_head=4, n_query_groups=2, vocab_size=VOCAB,
                                         padded_vocab_size=VOCAB, block_size=16, mlp_class_name="LLaMAMLP",
                                         intermediate_size=64, norm_class_name="RMSNorm", bias=False))
-    from test_parallel_families import hf_models
+    from support.families_zoo import hf_models
     return hf_models((name,))[name]
 
 
