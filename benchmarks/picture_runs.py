@@ -261,11 +261,12 @@ def watched(model):
     """Watch one forward and backward of ``model``: yields a namespace whose ``order`` lists its leaf modules in the
     order their forwards ran and whose ``calls`` lists every ``torch.distributed`` collective as ``{"phase", "module",
     "op", "shape"}`` (forward: the innermost module running; backward, after ``phase`` is set to "backward": the leaf
-    whose output's autograd node is running, known through the node's public hooks). The collectives are wrapped
-    inside the block only."""
+    whose output's autograd node is running, known through the node's public hooks, or, for a collective between two
+    leaves' nodes, the leaf whose node ran last: the column layers of a unit share one input collective, which runs
+    once their nodes are done). The collectives are wrapped inside the block only."""
     import torch.distributed as dist
 
-    seen = SimpleNamespace(order=[], calls=[], phase="forward", stack=[], node=None)
+    seen = SimpleNamespace(order=[], calls=[], phase="forward", stack=[], node=None, last=None)
     handles = []
 
     def pre(name, leaf):
@@ -280,7 +281,7 @@ def watched(model):
             seen.stack.pop()
             node = getattr(output, "grad_fn", None)
             if leaf and node is not None:
-                node.register_prehook(lambda grads: setattr(seen, "node", name))
+                node.register_prehook(lambda grads: setattr(seen, "node", name) or setattr(seen, "last", name))
                 node.register_hook(lambda grad_inputs, grad_outputs: setattr(seen, "node", None))
         return hook
 
@@ -290,7 +291,7 @@ def watched(model):
 
     def wrap(op, original):
         def recorded(tensor, *args, **kwargs):
-            where = (seen.stack[-1] if seen.stack else None) if seen.phase == "forward" else seen.node
+            where = (seen.stack[-1] if seen.stack else None) if seen.phase == "forward" else seen.node or seen.last
             seen.calls.append({"phase": seen.phase, "module": where, "op": op, "shape": list(tensor.shape)})
             return original(tensor, *args, **kwargs)
         return recorded

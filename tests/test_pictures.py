@@ -158,7 +158,10 @@ def test_the_tp_picture_draws_the_plan_of_both_ranks_and_of_this_process(drawn, 
     for rank in ranks:
         calls = [c for c in rank["calls"] if c["module"] and c["module"].startswith(block + ".")]
         assert {c["module"] for c in calls if c["phase"] == "forward"} == rows & set(in_block)
-        assert {c["module"] for c in calls if c["phase"] == "backward"} == columns & set(in_block)
+        backward = [c["module"] for c in calls if c["phase"] == "backward"]
+        # one input all-reduce per unit (its column layers share it: issue 47), not one per column layer
+        assert set(backward) <= columns and len(backward) == len(
+            [u for u in rank["units"] if u["columns"][0].startswith(block + ".")])
     for band in picture["collectives"]:
         assert band["count"] == sum(1 for c in ranks[0]["calls"] if c["module"] in band["modules"]
                                     and c["phase"] == band["phase"])

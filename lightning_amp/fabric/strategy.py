@@ -31,7 +31,7 @@ TypeError when the Fabric is built.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -57,7 +57,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
 
     Same arguments as the Trainer's :class:`lightning_amp.TensorParallelStrategy` (``tensor_parallel_size``,
     ``sequence_parallel``, ``sequence_dim``, ``gradient_accumulation_fusion``, ``async_grad_allreduce``,
-    ``plan``, ``process_group_backend``, ``bucket_numel``, ``overlap_grad_reduce``, ``allow_replicated``, or
+    ``plan``, ``process_group_backend``, ``bucket_numel``, ``overlap_grad_reduce``, ``allow_replicated``, ``unsplit_ok``, or
     ``config=TensorParallelConfig(...)`` instead of the options but ``process_group_backend``);
     ``**ddp_kwargs`` go to Fabric's ``DDPStrategy`` (``start_method``, ``timeout``). Registered as
     ``"tp_fused"`` (processes started by re-running the script) and ``"tp_fused_spawn"``.
@@ -75,6 +75,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
         bucket_numel: int = 2**22,
         overlap_grad_reduce: bool = True,
         allow_replicated: bool = False,
+        unsplit_ok: Sequence[str] = (),
         config: Optional[TensorParallelConfig] = None,
         **ddp_kwargs: Any,
     ) -> None:
@@ -82,7 +83,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
             config, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
             gradient_accumulation_fusion=gradient_accumulation_fusion, async_grad_allreduce=async_grad_allreduce, plan=plan,
             sequence_dim=sequence_dim, bucket_numel=bucket_numel, overlap_grad_reduce=overlap_grad_reduce,
-            allow_replicated=allow_replicated,
+            allow_replicated=allow_replicated, unsplit_ok=unsplit_ok,
         )
         super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
         self._backward_sync_control = _MainGradSyncControl(self.runtime)

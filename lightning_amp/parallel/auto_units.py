@@ -38,4 +38,6 @@ def auto_units(module: nn.Module, tp: int) -> AutoUnits:
     claimed |= {m for u in fallback for m in u.members}
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
     units.sort(key=lambda u: min(order[m] for m in u.members))  # the model's order, top to bottom
-    return AutoUnits(units, {path: why for path, why in structural.whole.items() if path not in claimed})
+    inside = tuple(f"{name}." for name in claimed)  # an nn.MultiheadAttention's out_proj is converted with it
+    return AutoUnits(units, {path: why for path, why in structural.whole.items()
+                             if path not in claimed and not path.startswith(inside)})

@@ -79,7 +79,23 @@ def between_problem(module: nn.Module, parent: str, columns: list[str], rows: li
         if not _elementwise(owner, node):
             return (f"{_describe(owner, parent, node)} acts on the split dimension between "
                     f"{', '.join(columns)} and {row} (only elementwise operations may lie between them)")
+        foreign = next((i for i in node.all_input_nodes if i not in after_columns and i not in starts
+                        and not _scalar(owner, i)), None)
+        if foreign is not None:  # a residual added to the shard: the full tensor meets one rank's features
+            return (f"{_describe(owner, parent, node)} combines the split output of {', '.join(columns)} with "
+                    f"{_describe(owner, parent, foreign)}, which is not split, on the way to {row} (only elementwise "
+                    "functions of the column layers' outputs may reach it)")
     return None
+
+
+def _scalar(owner: nn.Module, node) -> bool:
+    """A one-element tensor attribute (a learned scale), which broadcasts over a shard as over the whole."""
+    if node.op != "get_attr":
+        return False
+    path, _, name = node.target.rpartition(".")
+    holder = owner.get_submodule(path) if path else owner
+    value = getattr(holder, name, None)
+    return isinstance(value, torch.Tensor) and value.numel() == 1
 
 
 def _norm_on_path(owner: nn.Module, parent: str, local: set, rows_local: set, columns: list[str], row: str,

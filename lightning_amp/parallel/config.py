@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from lightning_amp._keywords import checks_keywords
 from lightning_amp.parallel.sequence import validate_sequence_dim
@@ -39,6 +39,9 @@ class TensorParallelConfig:
         bucket_numel: data-parallel all-reduce bucket size, in fp32 elements (4 bytes each).
         overlap_grad_reduce: launch each bucket's all-reduce during backward once it is complete.
         allow_replicated: train the whole model replicated when the plan finds nothing to split.
+        unsplit_ok: fnmatch globs of module paths (``"transformer.h.*.self_attention"``) whose attention
+            ``plan="auto"`` may leave whole on every rank; any other attention it cannot split is refused at
+            setup (kept as a tuple).
     """
 
     tensor_parallel_size: Union[int, str] = "auto"
@@ -50,6 +53,7 @@ class TensorParallelConfig:
     bucket_numel: int = 2**22
     overlap_grad_reduce: bool = True
     allow_replicated: bool = False
+    unsplit_ok: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         size = self.tensor_parallel_size
@@ -63,6 +67,7 @@ class TensorParallelConfig:
         if not isinstance(self.bucket_numel, int) or isinstance(self.bucket_numel, bool) or self.bucket_numel < 1:
             raise ValueError(f"bucket_numel must be a positive int, got {self.bucket_numel!r}")
         validate_plan(self.plan)
+        object.__setattr__(self, "unsplit_ok", validate_unsplit_ok(self.unsplit_ok))
         if self.plan != "auto":
             object.__setattr__(self, "plan", dict(self.plan))  # a copy: later edits of the caller's dict do not reach it
 
@@ -102,6 +107,18 @@ def validate_plan(plan: Union[str, Mapping[str, str]]) -> None:
     for pattern, kind in plan.items():
         if not isinstance(pattern, str) or kind not in KINDS:
             raise ValueError(f"plan entry {pattern!r}: {kind!r} must be one of {KINDS}")
+
+
+def validate_unsplit_ok(globs: Sequence[str]) -> tuple[str, ...]:
+    """``globs`` as a tuple; TypeError unless a list, tuple or set of str, ValueError naming an empty glob."""
+    if isinstance(globs, str) or not isinstance(globs, (list, tuple, set, frozenset)) or \
+            not all(isinstance(g, str) for g in globs):
+        raise TypeError(f"unsplit_ok must be a list of module path globs (str), e.g. "
+                        f"['transformer.h.*.self_attention'], got {globs!r}")
+    empty = [g for g in globs if not g.strip()]
+    if empty:
+        raise ValueError(f"unsplit_ok: {empty[0]!r} is not a module path glob (an empty glob would match nothing)")
+    return tuple(sorted(globs)) if isinstance(globs, (set, frozenset)) else tuple(globs)
 
 
 def _same(a: Any, b: Any) -> bool:

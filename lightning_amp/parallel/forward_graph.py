@@ -156,7 +156,7 @@ class _Reader(fx.Tracer):
 
     # -- fx hooks (public, backward compatible unless noted in docs/architecture.md)
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return is_conv1d(m) or super().is_leaf_module(m, qualname)
+        return is_projection(m) or super().is_leaf_module(m, qualname)
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         return super().create_args_for_root(inspect.unwrap(root_fn), is_module, concrete_args)
@@ -220,6 +220,13 @@ class _Reader(fx.Tracer):
                 width = self.widths.get(node.target, widths_of(module))[1]
                 return torch.empty(_BATCH, _SEQ, width, device="meta", dtype=self.dtype)
             return _UNKNOWN
+        if node.target is operator.getitem and isinstance(args[0], torch.Tensor) and len(args) == 2:
+            index = _bounds_to_end(args[1], args[0].dim())
+            if index is not None:
+                try:
+                    return args[0][index]
+                except Exception:  # noqa: BLE001 (not an index the tensor takes: unknown)
+                    return _UNKNOWN
         if node.target in _ELEMENTWISE_BINARY and len(args) == 2:
             known = [a for a in args if isinstance(a, torch.Tensor)]
             if len(known) == 1 and known[0].dim() >= 3:
@@ -250,6 +257,23 @@ class _Reader(fx.Tracer):
             vars(meta)["_buffers"] = {k: _to_meta(v) for k, v in module._buffers.items()}
             return type(module).forward(meta, *args, **kwargs)
         return _UNKNOWN
+
+
+def _bounds_to_end(index: Any, ndim: int) -> Any:
+    """``index`` with each unknown slice bound read as the end of its dimension (``x[..., :u]`` the whole dimension,
+    ``x[..., u:]`` none of it: a rotary embedding over ``u`` features, read as over all of them, keeps the shapes
+    that follow), or None when anything else in it is unknown."""
+    parts = index if isinstance(index, tuple) else (index,)
+    fixed = []
+    for part in parts:
+        if isinstance(part, slice) and _UNKNOWN in (part.start, part.stop, part.step):
+            if part.step is _UNKNOWN or part.start is _UNKNOWN and part.stop is not None:
+                return None
+            part = slice(0, 0) if part.start is _UNKNOWN else slice(part.start, None)
+        elif part is _UNKNOWN:
+            return None
+        fixed.append(part)
+    return tuple(fixed) if isinstance(index, tuple) else fixed[0]
 
 
 def _asserted(frame) -> bool:

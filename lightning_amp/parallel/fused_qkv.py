@@ -27,6 +27,7 @@ from lightning_amp.parallel import comm
 from lightning_amp.parallel.groups import group_rank, group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear
 from lightning_amp.parallel.qkv_heads import QKVHeads
+from lightning_amp.parallel.shared_input import SharedInput
 
 
 def head_used(rank: int, tp: int, n_heads: int) -> int:
@@ -58,6 +59,7 @@ class ReplicatedKVColumnParallel(nn.Module):
         self.q = ColumnParallelLinear.from_weights(
             weight[:q_rows], None if bias is None else bias[:q_rows], group, gather_output=False,
             sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, **linear_kwargs)
+        self.q.shared_input = SharedInput(group, sequence_parallel, sequence_dim)
         self.kv_weight = _replicated(weight[q_rows:])
         self.kv_bias = None if bias is None else _replicated(bias[q_rows:])
         self.group_index = head_used(group_rank(group), tp, heads.n_query_groups)
@@ -65,7 +67,9 @@ class ReplicatedKVColumnParallel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q = self.q(x)
-        if self.sequence_parallel:
+        if not comm.tracing():  # the query rows' input collective serves the key/value rows too (shared_input.py)
+            x = self.q.shared_input(x)
+        elif self.sequence_parallel:
             x = comm.gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)
         else:
             x = comm.copy_to_tensor_parallel_region(x, self.group)

@@ -50,16 +50,23 @@ _SPLIT_METHODS = frozenset({"split", "chunk", "tensor_split"})
 @dataclass(frozen=True)
 class AttentionShape:
     """The heads of one attention: ``n_head`` query heads and ``n_kv`` key/value heads of ``head_size`` (values of
-    ``v_size``); ``layout``: "separate" (three projections), "blocks" (a fused ``[q | k | v]``) or "chunks" (a fused
-    projection viewed ``(..., 3, heads, head_size)``)."""
+    ``v_size``); ``layout``: "separate" (three projections), "blocks" (a fused ``[q | k | v]``), "chunks" (a fused
+    projection viewed ``(..., 3, heads, head_size)``) or "groups" (a fused projection viewed ``(..., groups, ...)``:
+    ``groups`` equal runs of features, each holding the query, key and value heads of one key/value group or one
+    head, interleaved: GPT-NeoX, BLOOM, Falcon's new decoder architecture; a rank keeps whole groups, a contiguous
+    run of features)."""
 
     n_head: int
     n_kv: int
     head_size: int
     v_size: int
     layout: str
+    groups: int = 0
 
     def problem(self, tp: int) -> Optional[str]:
+        if self.layout == "groups" and self.groups % tp:
+            return (f"{self.groups} interleaved groups of query, key and value heads not divisible by "
+                    f"tensor_parallel_size={tp} (each rank keeps whole groups)")
         if self.n_head % tp:
             return f"{self.n_head} query heads not divisible by tensor_parallel_size={tp}"
         if self.n_kv % tp and tp % self.n_kv:
@@ -200,7 +207,10 @@ class _Reading:
                 graph = read_forward(owner, self.hidden, unknown=[name])
             except ForwardUnreadable:
                 continue
-            if _find(graph, members, out) is not None and _signature(graph) not in signatures:
+            found = _find(graph, members, out)
+            if found is None or any(graph.shape(a) is None for a in found[:3]):
+                continue  # a branch that hides this attention or its shapes (a KV cache given): nothing to check
+            if _signature(graph) not in signatures:
                 signatures.add(_signature(graph))
                 self.readings[(name,)] = graph
         self.at_product = {}  # per reading, the head counts the product sees (after a repeat_kv)
@@ -225,10 +235,13 @@ class _Reading:
         return next(n for n in self.graph.graph.nodes if n.op == "call_module" and n.target == path)
 
     def _first_reshape(self, start: fx.Node) -> fx.Node:
-        """The first op after ``start`` (a projection) that is not elementwise (its output used once on the way)."""
+        """The first op after ``start`` (a projection) that is not elementwise (its output used once on the way), or
+        the node whose uses are all indexing (``qkv[..., :q_end]``, ``qkv[..., q_end:k_end]``, ...: Phi-3)."""
         node = start
         while True:
             users = [user for user in node.users if not _reads_metadata(user, node)]
+            if len(users) > 1 and all(_indexes(user) for user in users):
+                return node
             if len(users) != 1:
                 raise _Unsplittable(f"the output of {start.target} is used {len(users)} times before it is split "
                                     "into heads")
@@ -239,7 +252,7 @@ class _Reading:
     def _check_before_heads(self) -> None:
         for path in dict.fromkeys(self.members):
             node = self._first_reshape(self._node(path))
-            if not (node.op in ("call_function", "call_method") and (
+            if not (_indexed(node) or node.op in ("call_function", "call_method") and (
                     node.target in ("view", "reshape", "unflatten", "split", "chunk", "tensor_split")
                     or node.target in (torch.reshape, torch.split, torch.chunk))):
                 raise _Unsplittable(f"{_describe(node)} acts on the whole output of {path} before it is split into "
@@ -256,6 +269,8 @@ class _Reading:
         split = self._first_reshape(fused)
         width = widths_of(self._layer(self.members[0]))[1]
         value = self.graph.value(split)
+        if _indexed(split) and (self.graph.shape(split) or (0,))[-1] == width:
+            return self._sliced(split, width, width)
         if split.target in _SPLIT_METHODS and isinstance(value, (tuple, list)) and len(value) == 3:
             blocks = [t.shape[-1] for t in value]
             if sum(blocks) != width or blocks[0] % d or blocks[1] % d or blocks[2] % dv:
@@ -266,18 +281,63 @@ class _Reading:
             return AttentionShape(blocks[0] // d, blocks[1] // d, d, dv, "blocks")
         shape = self.graph.shape(split)
         if shape is not None and len(shape) >= 3 and tuple(shape[-3:]) == (3, width // (3 * d), d) and d == dv:
+            if shape[-2] == 3:
+                raise _Unsplittable(f"{self.members[0]} is viewed (..., 3, 3, {d}): three blocks of three heads or "
+                                    "three heads of [q | k | v] interleaved, the view alone cannot tell")
             return AttentionShape(shape[-2], shape[-2], d, d, "chunks")
+        lead = self.graph.shape(fused)
+        if shape is not None and lead is not None and tuple(shape[:len(lead) - 1]) == tuple(lead[:-1]) \
+                and split.target in ("view", "reshape", torch.reshape, "unflatten"):
+            trailing = tuple(shape[len(lead) - 1:])
+            if len(trailing) == 2 and trailing[1] == d and _indexed(split):  # (..., heads, d), then sliced
+                return self._sliced(split, trailing[0], width, unit=d)
+            if len(trailing) >= 2 and d == dv and trailing[0] != 3:  # (..., 3, rest): blocks of q, k, v or 3 groups?
+                return self._groups(trailing[0], width)
         raise _Unsplittable(f"cannot tell how {self.members[0]} is split into query, key and value "
                             f"({_describe(split)} of its output)")
 
-    def _block_of(self, split: fx.Node, index: int) -> str:
+    def _sliced(self, node: fx.Node, extent: int, width: int, unit: int = 1) -> AttentionShape:
+        """The shape of a fused projection of ``width`` outputs whose output ``node`` (``extent`` entries of ``unit``
+        features in its last indexed dimension) is cut into ``[q | k | v]`` by three indexings
+        (``qkv[..., a:b]``, or ``heads[..., [-2], :]`` of a view into heads: Falcon's multi-query layout)."""
+        d, dv = self.head_size, self.v_size
+        cuts = []
+        for user in node.users:
+            if _indexes(user):
+                span = _span(user.args[1], extent, axis=-1 if unit == 1 else -2)
+                if span is None:
+                    raise _Unsplittable(f"{self.members[0]}'s output is indexed by {user.args[1]!r}, not one run of "
+                                        "its features")
+                cuts.append((span, self._role(user)))
+        cuts.sort()
+        spans = [span for span, _ in cuts]
+        if len(cuts) != 3 or spans[0][0] != 0 or spans[-1][1] != extent or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+            raise _Unsplittable(f"{self.members[0]}'s output is cut into {spans}, not three runs covering its {extent}")
+        if [role for _, role in cuts] != ["q", "k", "v"]:
+            raise _Unsplittable(f"{self.members[0]} holds its blocks in the order {[r for _, r in cuts]}, not [q | k | v]")
+        blocks = [(b - a) * unit for a, b in spans]
+        if blocks[0] % d or blocks[1] % d or blocks[2] % dv or sum(blocks) != width:
+            raise _Unsplittable(f"{self.members[0]} is cut into blocks {blocks}, not whole heads of {d}")
+        return AttentionShape(blocks[0] // d, blocks[1] // d, d, dv, "blocks")
+
+    def _groups(self, groups: int, width: int) -> AttentionShape:
+        """A fused projection viewed ``(..., groups, ...)``: each group holds its query heads and key/value heads (see
+        :class:`AttentionShape`); the head counts come from the query at the product and the width."""
+        d = self.head_size
+        n_head = self.graph.shape(self.product[0])[-3]
+        n_kv, odd = divmod(width // d - n_head, 2)
+        if width % (groups * d) or odd or n_kv < 1 or n_head % groups or n_kv % groups:
+            raise _Unsplittable(f"{self.members[0]} is viewed as {groups} groups of {width // groups} features, not "
+                                f"whole query ({n_head}) and key/value heads of {d} per group")
+        return AttentionShape(n_head, n_kv, d, d, "groups", groups)
+
+    def _role(self, node: fx.Node) -> str:
         q, k, v, _ = self.product
-        for user in split.users:
-            if user.target is operator.getitem and user.args[1] == index:
-                for name, arg in zip("qkv", (q, k, v)):
-                    if arg is user or user in _ancestors(arg):
-                        return name
-        return "?"
+        return next((name for name, arg in zip("qkv", (q, k, v)) if arg is node or node in _ancestors(arg)), "?")
+
+    def _block_of(self, split: fx.Node, index: int) -> str:
+        user = next((u for u in split.users if u.target is operator.getitem and u.args[1] == index), None)
+        return "?" if user is None else self._role(user)
 
     def read_values(self) -> dict:
         """Every int attribute some reading's ops read, with its value."""
@@ -408,6 +468,36 @@ class _Reading:
         listed = ", ".join(f"{_key(k)}={current[k]}" for k in names) or "none"
         return (f"no per-rank value of the attributes its forward reads for its reshapes ({listed}) gives one rank's "
                 "heads their shapes (a head count written as a literal, a per-head tensor, or a view across heads?)")
+
+
+def _indexes(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem and not isinstance(node.args[1], int)
+
+
+def _indexed(node: fx.Node) -> bool:
+    """Whether ``node``'s value is cut by indexing only: two or more uses, each an index (``x[..., a:b]``)."""
+    users = list(node.users)
+    return len(users) > 1 and all(_indexes(user) for user in users)
+
+
+def _span(index, extent: int, axis: int) -> Optional[tuple[int, int]]:
+    """The run ``[start, stop)`` an index (``(..., slice)``, ``(..., slice, slice(None))``, a one-element list) takes
+    of the dimension ``axis`` (-1 or -2) of ``extent`` entries, the others whole; None for anything else."""
+    parts = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis not in parts:
+        return None
+    after = parts[parts.index(Ellipsis) + 1:]
+    before = parts[:parts.index(Ellipsis)]
+    if any(p != slice(None) for p in before) or len(after) != -axis or any(p != slice(None) for p in after[1:]):
+        return None
+    part = after[0]
+    if isinstance(part, list) and len(part) == 1 and isinstance(part[0], int):
+        start = part[0] % extent
+        return start, start + 1
+    if isinstance(part, slice) and part.step in (None, 1):
+        start, stop, _ = part.indices(extent)
+        return (start, stop) if stop > start else None
+    return None
 
 
 def _find(graph: ForwardGraph, members: list[str], out: str):

@@ -371,6 +371,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = out_features // self.tp_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.shared_input = None  # a SharedInput: its unit's columns take one input collective (set by the plan)
         if _full is None:
             _full = _init_full_weight(out_features, in_features, bias, device, dtype)
         self._take_full(_full[0], _full[1], True, *_layout)
@@ -399,9 +400,12 @@ class ColumnParallelLinear(_ParallelLinearBase):
                    _layout=(chunks, transposed, blocks), **kwargs)
 
     def forward(self, x: Tensor):
-        dgrad = "reduce_scatter" if self.sequence_parallel else ("all_reduce" if self.tp_size > 1 else "none")
         bias = None if self.skip_bias_add else self.bias
-        out = self._gemm(x, bias, dgrad, self.async_grad_allreduce, self.sequence_parallel and self.tp_size > 1)
+        if self.shared_input is not None and not comm.tracing():  # the unit's one input collective (shared_input.py)
+            out = self._gemm(self.shared_input(x), bias, "none", False, False)
+        else:
+            dgrad = "reduce_scatter" if self.sequence_parallel else ("all_reduce" if self.tp_size > 1 else "none")
+            out = self._gemm(x, bias, dgrad, self.async_grad_allreduce, self.sequence_parallel and self.tp_size > 1)
         if self.gather_output:
             out = comm.gather_from_tensor_parallel_region(out, self.group)
         return (out, self.bias) if self.skip_bias_add else out

@@ -26,14 +26,14 @@ import copy
 import difflib
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from lightning_amp.parallel.auto_units import auto_units
 from lightning_amp.parallel.between import between_problem
-from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan  # noqa: F401 (re-exported)
+from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan, validate_unsplit_ok  # noqa: F401
 from lightning_amp.parallel.families import HEAD_ATTRS, Unit, is_conv1d, multihead_attention_unit
 from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
@@ -44,6 +44,8 @@ from lightning_amp.parallel.projections import is_projection
 from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
 from lightning_amp.parallel.report import Conversion, PlanReport, SplitUnit
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs
+from lightning_amp.parallel.shared_input import SharedInput
+from lightning_amp.parallel.unsplit import accepted, unmatched_globs, unsplit_problems
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
 #: the layers a conversion makes (a model holding one is converted already)
@@ -148,20 +150,27 @@ def _dims(module: nn.Module, name: str) -> tuple[int, int]:
 
 
 def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
-               sequence_parallel: bool = False, allow_replicated: bool = False) -> Plan:
+               sequence_parallel: bool = False, allow_replicated: bool = False, unsplit_ok: Sequence[str] = ()) -> Plan:
     """The validated plan for ``module`` at TP size ``tp``; changes nothing. Raises ValueError naming the
-    module paths of every unit that cannot be split, and when nothing would be split at ``tp > 1``
-    unless ``allow_replicated``."""
+    module paths of every unit that cannot be split, of every attention ``plan="auto"`` would leave whole that
+    no glob of ``unsplit_ok`` accepts (:mod:`~lightning_amp.parallel.unsplit`), and when nothing would be split
+    at ``tp > 1`` unless ``allow_replicated``."""
     validate_plan(plan)
+    unsplit_ok = validate_unsplit_ok(unsplit_ok)
+    problems = [f"unsplit_ok: {glob!r} matches no module of {type(module).__name__}"
+                for glob in unmatched_globs(module, unsplit_ok)]
     if plan == "auto":
         found = auto_units(module, tp)
         units, whole = found.units, found.whole
+        if tp > 1:
+            units = _accept_unsplit(units, whole, unsplit_ok)
+            if units or not allow_replicated:  # allow_replicated with nothing split: every layer whole on purpose
+                problems += unsplit_problems(module, whole, tp, unsplit_ok)
     else:
         units = _explicit_units(module, _explicit_decisions(module, plan), tp)
         planned = {m for u in units for m in u.members}
         whole = {name: "not named by the plan" for name, m in module.named_modules()
                  if is_projection(m) and name not in planned}
-    problems = []
     for unit in units:
         if unit.problem:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {unit.problem}")
@@ -183,8 +192,9 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
                             "nn.MultiheadAttention and for column/row layers in one parent module only")
     if problems:
         raise ValueError("tp_fused: the plan cannot be applied (nothing was changed):\n  " + "\n  ".join(problems)
-                         + "\nChoose a tensor_parallel_size that divides them, or pass plan={'glob': 'column'|'row'|"
-                         "'replicate'} to pick the layers to split.")
+                         + "\nChoose a tensor_parallel_size that divides them, pass plan={'glob': 'column'|'row'|"
+                         "'replicate'} to pick the layers to split, or unsplit_ok=['glob.of.attention'] to keep an "
+                         "attention whole on every rank on purpose.")
     if not units and tp > 1 and not allow_replicated:
         raise ValueError(
             f"tp_fused: no layer of {type(module).__name__} can be split across {tp} ranks (no nn.MultiheadAttention, "
@@ -196,6 +206,19 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
     for unit in units:
         result.decisions.update(_unit_kinds(unit))
     return result
+
+
+def _accept_unsplit(units: list[Unit], whole: dict[str, str], unsplit_ok: Sequence[str]) -> list[Unit]:
+    """``units`` but those that cannot be split and that ``unsplit_ok`` accepts, whose layers go to ``whole``."""
+    kept = []
+    for unit in units:
+        globs = {accepted(member, unsplit_ok) for member in unit.members}
+        if unit.problem is None or None in globs:
+            kept.append(unit)
+            continue
+        for member in unit.members:
+            whole[member] = f"left whole as unsplit_ok={accepted(member, unsplit_ok)!r} allows: {unit.problem}"
+    return kept
 
 
 #: families whose column -> row data flow is not fixed by the family's own code and must be checked
@@ -255,7 +278,21 @@ def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, li
         setattr(parent, attr, new)
         kind = "replicated" if name in unit.replicated_heads else "column" if name in unit.columns else "row"
         rows.append(Conversion(name, type(child).__name__, kind, detail))
+    _share_input(module, unit, group)
     return rows
+
+
+def _share_input(module: nn.Module, unit: Unit, group: Any) -> None:
+    """Give the unit's column layers one input collective (:mod:`~lightning_amp.parallel.shared_input`) when two or
+    more of them take their input alike (the same sequence-parallel mode, outputs not gathered)."""
+    columns = [module.get_submodule(name) for name in unit.columns]
+    columns = [c for c in columns if hasattr(c, "shared_input") and not getattr(c, "gather_output", False)]
+    modes = {(c.sequence_parallel, c.sequence_dim) for c in columns}
+    if len(columns) > 1 and len(modes) == 1 and group_size(group) > 1:
+        ((sequence_parallel, sequence_dim),) = modes
+        shared = SharedInput(group, sequence_parallel, sequence_dim)
+        for column in columns:
+            column.shared_input = shared
 
 
 def _set_head_values(module: nn.Module, unit: Unit) -> dict[str, tuple[int, int]]:
@@ -319,7 +356,8 @@ def convert_model(module: nn.Module, group: Any = None, config: Optional[TensorP
     was found, what was left whole and why). ``config``: the options (default ``TensorParallelConfig()``);
     ``layer_kwargs`` go to every parallel layer."""
     config = TensorParallelConfig() if config is None else config
-    checked = build_plan(module, config.plan, group_size(group), config.sequence_parallel, config.allow_replicated)
+    checked = build_plan(module, config.plan, group_size(group), config.sequence_parallel, config.allow_replicated,
+                         config.unsplit_ok)
     return apply_checked_plan(module, checked, group, config, **layer_kwargs)
 
 

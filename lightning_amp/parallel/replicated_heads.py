@@ -44,11 +44,14 @@ class ReplicatedHeadsLinear(nn.Module):
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.in_features, self.out_features = full.shape[1], full.shape[0]
         self.head = head_used(group_rank(group), tp, n_heads)
+        self.shared_input = None  # as ColumnParallelLinear's
         self.weight = _replicated(full)
         self.bias = None if bias is None else _replicated(bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
+        if self.shared_input is not None and not comm.tracing():  # the unit's one input collective (shared_input.py)
+            x = self.shared_input(x)
+        elif self.sequence_parallel:
             x = comm.gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)
         else:
             x = comm.copy_to_tensor_parallel_region(x, self.group)  # partial input grads summed over TP

@@ -21,9 +21,11 @@ refuses it by name.
 from __future__ import annotations
 
 import collections
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -141,11 +143,41 @@ def _closure(fg: ForwardGraph, start: fx.Node) -> tuple[list[fx.Node], list[fx.N
         seen.add(node)
         if fg.layer(node) is not None:
             layers.append(node)
-        elif node.op in ("call_function", "call_method", "call_module") and _elementwise(fg.module, node):
+        elif _passes(fg, node):
             todo.extend(data_users(fg, node))
         else:
             blockers.append(node)
     return layers, blockers
+
+
+def _blocks(fg: ForwardGraph, node: fx.Node) -> int:
+    """How many equal blocks ``node`` cuts its input's last dimension into (``chunk``/``split`` along it: a fused
+    ``[gate | up]``), else 0."""
+    if node.op not in ("call_function", "call_method") or node.target not in ("chunk", "split", torch.chunk,
+                                                                               torch.split) or not node.args:
+        return 0
+    value, source = fg.value(node), fg.shape(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(value, (tuple, list)) or len(value) < 2 or source is None:
+        return 0
+    shapes = {tuple(t.shape) for t in value if isinstance(t, torch.Tensor)}
+    if len(shapes) != 1 or len(value) * value[0].shape[-1] != source[-1] or value[0].shape[:-1] != source[:-1]:
+        return 0
+    return len(value)
+
+
+def _passes(fg: ForwardGraph, node: fx.Node) -> bool:
+    """Whether a shard passes ``node`` as it is: an elementwise op, or a cut into equal blocks of the last dimension
+    (and the indexing that takes one block), each of which a rank then holds its slice of."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _blocks(fg, node.args[0]) > 0 and isinstance(node.args[1], int)
+    return _blocks(fg, node) > 0 or (node.op in ("call_function", "call_method", "call_module")
+                                     and _elementwise(fg.module, node))
+
+
+def _cut(fg: ForwardGraph, column: fx.Node) -> int:
+    """The number of equal blocks the output of ``column`` is cut into on its way (1: not cut)."""
+    cuts = {_blocks(fg, n) for n in reach([column], lambda n: data_users(fg, n), stop=lambda n: fg.layer(n) is not None)}
+    return max(cuts - {0}, default=1)
 
 
 def _foreign_input(fg: ForwardGraph, row: fx.Node, columns: list[fx.Node]) -> Optional[fx.Node]:
@@ -160,8 +192,7 @@ def _foreign_input(fg: ForwardGraph, row: fx.Node, columns: list[fx.Node]) -> Op
         shape = fg.shape(node)
         if node.op == "get_attr" and shape is not None and not shape:
             continue  # a scalar
-        if node.op in ("call_function", "call_method", "call_module") and fg.layer(node) is None and \
-                _elementwise(fg.module, node):
+        if fg.layer(node) is None and _passes(fg, node):
             todo.extend(data_inputs(fg, node))
         else:
             return node
@@ -213,7 +244,8 @@ def _mlp_units(base: str, fg: ForwardGraph, claimed: set, notes: dict[str, str],
         width = widths_of(fg.layer(row))[0]
         names = [_join(base, c.target) for c in sorted(columns, key=lambda c: layer_nodes.index(c)
                                                        if c in layer_nodes else 0)]
-        if any(widths_of(fg.layer(c))[1] != width for c in columns):
+        cuts = {_join(base, c.target): _cut(fg, c) for c in columns}
+        if any(widths_of(fg.layer(c))[1] != width * cuts[_join(base, c.target)] for c in columns):
             _note(notes, name, f"its width differs from what {row_name} takes")
             continue
         if width % tp:
@@ -224,6 +256,6 @@ def _mlp_units(base: str, fg: ForwardGraph, claimed: set, notes: dict[str, str],
         if is_conv1d(fg.layer(row)):
             transposed.add(row_name)
         units.append(Unit("MLP", names, [row_name], transposed=transposed, found_by="structure",
-                          divisible=[(f"{names[0]} outputs", width)]))
+                          chunks={n: k for n, k in cuts.items() if k > 1}, divisible=[(f"{names[0]} outputs", width)]))
         taken.update(names + [row_name])
     return units

@@ -16,7 +16,7 @@ strategy (:mod:`lightning_amp.fabric.strategy`); this file maps the Trainer's ho
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Generator, Mapping, Optional, Union
+from typing import Any, Generator, Mapping, Optional, Sequence, Union
 
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -60,6 +60,8 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
         overlap_grad_reduce: launch each DP bucket's all-reduce during backward when it is complete.
         allow_replicated: when the plan finds nothing to split at ``tensor_parallel_size > 1``, train the
             whole model replicated on every TP rank instead of raising ValueError at setup.
+        unsplit_ok: module path globs (``["transformer.h.*.self_attention"]``) of attentions that ``plan="auto"``
+            may leave whole on every rank; any other attention it cannot split raises ValueError at setup.
         config: a :class:`~lightning_amp.parallel.TensorParallelConfig` holding all of the options above
             but ``process_group_backend`` (then pass none of them as keywords).
         **ddp_kwargs: passed to :class:`DDPStrategy` (e.g. ``start_method="spawn"``, ``timeout``).
@@ -86,6 +88,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
         bucket_numel: int = 2**22,
         overlap_grad_reduce: bool = True,
         allow_replicated: bool = False,
+        unsplit_ok: Sequence[str] = (),
         config: Optional[TensorParallelConfig] = None,
         **ddp_kwargs: Any,
     ) -> None:
@@ -93,7 +96,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
             config, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
             gradient_accumulation_fusion=gradient_accumulation_fusion, async_grad_allreduce=async_grad_allreduce, plan=plan,
             sequence_dim=sequence_dim, bucket_numel=bucket_numel, overlap_grad_reduce=overlap_grad_reduce,
-            allow_replicated=allow_replicated,
+            allow_replicated=allow_replicated, unsplit_ok=unsplit_ok,
         )
         super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
 

@@ -213,3 +213,46 @@ class _WidthReadAttention(torch.nn.Module):
 def test_an_attention_that_reads_its_heads_from_the_projections_width(tp):
     report = _check(_WidthReadAttention(), (), lambda m, x: m(x), tp, HEADS)
     assert report.split[0].attributes == {}  # nothing to change: each rank reads its own width
+
+
+def _fused(family: str, kv: int):
+    """A fused-projection attention of ``transformers`` (random init, no biases: the ranks' outputs are summed), its
+    rotary tables, and how to call it."""
+    require("transformers")
+    import transformers as t
+    from transformers.models.falcon import modeling_falcon as falcon
+    from transformers.models.gpt_neox import modeling_gpt_neox as neox
+    from transformers.models.phi3 import modeling_phi3 as phi3
+
+    common = dict(hidden_size=DIM, num_attention_heads=HEADS, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    if family == "phi3":
+        config = t.Phi3Config(**common, num_key_value_heads=kv, pad_token_id=0)
+        attn, rotary = phi3.Phi3Attention(config, layer_idx=0), phi3.Phi3RotaryEmbedding(config)
+        call = lambda m, x, p: m(x, position_embeddings=p, attention_mask=None)[0]  # noqa: E731
+    elif family == "neox":
+        config = t.GPTNeoXConfig(**common, attention_bias=False)
+        attn, rotary = neox.GPTNeoXAttention(config, layer_idx=0), neox.GPTNeoXRotaryEmbedding(config)
+        call = lambda m, x, p: m(x, attention_mask=None, position_embeddings=p)[0]  # noqa: E731
+    else:
+        config = t.FalconConfig(**common, bias=False, alibi=False, multi_query=kv == 1,
+                                new_decoder_architecture=kv > 1, num_kv_heads=kv)
+        attn, rotary = falcon.FalconAttention(config, layer_idx=0), falcon.FalconRotaryEmbedding(config)
+        call = lambda m, x, p: m(x, None, None, position_embeddings=p)[0]  # noqa: E731
+    cos, sin = rotary(torch.zeros(1, SEQ, DIM), torch.arange(SEQ)[None])
+    return attn, ((cos.double(), sin.double()),), call
+
+
+@pytest.mark.parametrize("family, kv, tp, layout", [
+    ("phi3", 4, 2, "blocks"), ("phi3", 2, 4, "blocks"), ("phi3", 1, 8, "blocks"),  # GQA split; replicated at 4, 8
+    ("neox", HEADS, 4, "groups"), ("neox", HEADS, 8, "groups"),  # interleaved per head
+    ("falcon", 4, 4, "groups"), ("falcon", 2, 2, "groups"),  # interleaved per key/value group
+    ("falcon", 1, 4, "blocks"),  # multi-query: the one key/value head replicated
+])
+def test_fused_transformers_attentions_every_rank_against_the_whole(family, kv, tp, layout):
+    """Phi-3's [q | k | v] cut by indexing, GPT-NeoX's heads and Falcon's key/value groups interleaved, Falcon's
+    multi-query view into heads: each rank's shard against the whole attention, up to tp=8."""
+    full, inputs, call = _fused(family, kv)
+    report = _check(full, inputs, call, tp, HEADS if family == "neox" else kv)
+    assert report.split[0].found_by == "structure"
+    assert build_plan(full, "auto", tp).units[0].attention_shape.layout == layout

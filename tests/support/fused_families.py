@@ -1,0 +1,40 @@
+"""Tiny random-init ``transformers`` models whose attention has one fused in-projection, built from their config
+classes (no downloads; 2 layers, hidden 32, 4 query heads, vocabulary 64, no dropout): Phi-3 (blocked ``[q | k | v]``
+``qkv_proj`` with GQA, fused ``gate_up_proj``), GPT-NeoX (``query_key_value`` interleaved per head), Falcon with one
+key/value head (``multi_query``) and with its new decoder architecture (interleaved per key/value group), BLOOM
+(interleaved per head, ALiBi) and MPT (blocked ``Wqkv``)."""
+from __future__ import annotations
+
+import torch
+
+VOCAB, HIDDEN, LAYERS, HEADS, FFN, SEQ = 64, 32, 2, 4, 64, 16
+FAMILIES = ("phi3", "neox", "falcon_mq", "falcon_new", "bloom", "mpt")
+
+
+def build(name: str, seed: int = 0) -> torch.nn.Module:
+    """The model ``name`` of :data:`FAMILIES`, its weights drawn from ``seed``."""
+    import transformers as t
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS)
+    falcon = dict(common, alibi=False, bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+                  max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)
+    configs = {
+        "phi3": lambda: t.Phi3ForCausalLM(t.Phi3Config(**common, num_key_value_heads=2, intermediate_size=FFN,
+                                                       max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=0,
+                                                       eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                       attention_dropout=0.0)),
+        "neox": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**common, intermediate_size=FFN, max_position_embeddings=SEQ,
+                                                             hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+                                                             eos_token_id=0)),
+        "falcon_mq": lambda: t.FalconForCausalLM(t.FalconConfig(**falcon, multi_query=True,
+                                                                new_decoder_architecture=False)),
+        "falcon_new": lambda: t.FalconForCausalLM(t.FalconConfig(**falcon, num_kv_heads=2,
+                                                                 new_decoder_architecture=True)),
+        "bloom": lambda: t.BloomForCausalLM(t.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS,
+                                                          n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+                                                          bos_token_id=0, eos_token_id=0)),
+        "mpt": lambda: t.MptForCausalLM(t.MptConfig(vocab_size=VOCAB, d_model=HIDDEN, n_layers=LAYERS, n_heads=HEADS,
+                                                    max_seq_len=SEQ, expansion_ratio=2, resid_pdrop=0.0, emb_pdrop=0.0)),
+    }
+    torch.manual_seed(seed)
+    return configs[name]()
