@@ -189,8 +189,12 @@ struct StreamBinary : public torch::autograd::Function<StreamBinary> {
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["h_sizes"] = h.sizes().vec();
     ctx->saved_data["f_sizes"] = f.sizes().vec();
-    if (op == static_cast<int64_t>(Binary::mul) || op == static_cast<int64_t>(Binary::div)) {
-      ctx->save_for_backward({h, f});
+    // What backward reads, only where a grad needs it (as torch's own MulBackward/DivBackward save)
+    const bool h_grad = h.requires_grad(), f_grad = f.requires_grad();
+    if (op == static_cast<int64_t>(Binary::mul)) {
+      ctx->save_for_backward({f_grad ? h : at::Tensor(), h_grad ? f : at::Tensor()});
+    } else if (op == static_cast<int64_t>(Binary::div)) {
+      ctx->save_for_backward({f_grad || !half_first ? h : at::Tensor(), h_grad || half_first ? f : at::Tensor()});
     }
     return compute(h, f, static_cast<Binary>(op), half_first, alpha);
   }
