@@ -151,7 +151,7 @@ void report_promotion(const char* op, const T&... tensors) {
   if (!reporter) return;
   std::string operands;
   ((operands += (operands.empty() ? "" : ", ") + describe(tensors)), ...);
-  reporter(std::string("aten::") + op, operands);
+  reporter(op, operands);
 }
 
 // The half dtype's finite range: a value rounded for a tensor without grad (a mask of fp32's lowest value)

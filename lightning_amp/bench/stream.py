@@ -6,10 +6,11 @@ counts are the same on every machine):
 
 * **saved for backward**: every tensor autograd saves (``torch.autograd.graph.saved_tensors_hooks``), counted
   once per storage in bytes by dtype; a tensor that is a Parameter, shares a Parameter's storage or has a
-  Parameter's shape (a half copy of a weight) counts as a weight, every other one as an activation;
+  Parameter's shape (a half copy of a weight) counts as a weight, one a loss saves (``log_softmax``,
+  ``nll_loss``, ``*_loss``: O2 keeps losses fp32 on purpose) as the loss's, every other one as an activation;
 * **dtype casts**: every ``_to_copy`` and cross-dtype ``copy_`` of the step, forward, backward and optimizer
   (a ``TorchDispatchMode``), counted and summed in bytes written, split the same way into weights and
-  activations;
+  activations (a tensor of one element is a scalar, the cast of a loss's input the loss's: counted apart);
 * **the stream**: each block's output dtype (the children of the model's ``nn.ModuleList``s, which is where
   transformers keep their layers), and the first op of the forward that turns a half activation into an fp32
   one of the same size outside a loss: the op, its operand shapes and dtypes, and the path of the module that ran it.
@@ -35,6 +36,7 @@ STREAM_LEVELS = ("32-true", "bf16-mixed", "bf16-true", "O1", "O2", "O3")
 _HALF = (torch.float16, torch.bfloat16)
 _CASTS = {torch.ops.aten._to_copy.default}
 _LOSSES = ("loss", "nll", "cross_entropy", "kl_div", "binary_cross_entropy")
+_LOSS_INPUTS = _LOSSES + ("log_softmax",)  # what a cross-entropy decomposes into
 
 
 @dataclasses.dataclass
@@ -42,11 +44,13 @@ class StreamRecord:
     """One level's step (bytes are bytes; counts per step)."""
 
     level: str
-    saved_bytes: Dict[str, Dict[str, int]]  # {"activation"|"weight": {dtype name: bytes}}
-    casts: Dict[str, int]  # {"activation"|"weight": casts}
-    cast_bytes: Dict[str, int]  # {"activation"|"weight": bytes written}
+    saved_bytes: Dict[str, Dict[str, int]]  # {"activation"|"weight"|"loss": {dtype name: bytes}}
+    casts: Dict[str, int]  # {"activation"|"weight"|"scalar"|"loss": casts}
+    cast_bytes: Dict[str, int]  # {"activation"|"weight"|"scalar"|"loss": bytes written}
     block_dtypes: List[str]  # each block's output dtype, in forward order (first forward of the step)
     first_promotion: Optional[str]  # "op(operands) in module 'path' (Class)", or None
+    cast_kinds: Dict[str, int] = dataclasses.field(default_factory=dict)  # "kind from->to [shape] (phase)": count
+    saved_kinds: Dict[str, int] = dataclasses.field(default_factory=dict)  # "kind dtype [shape] bytes": count
 
     @property
     def saved_activation_bytes(self) -> int:
@@ -80,24 +84,41 @@ class _Observer(TorchDispatchMode):
         self.weights, self.module_path = weights, module_path
         self.casts: Counter = Counter()
         self.cast_bytes: Counter = Counter()
+        self.cast_kinds: Counter = Counter()  # "activation bfloat16->float32 [4, 32]" -> count
         self.forward = True
         self.first_promotion: Optional[str] = None
+        self.in_loss = False  # the op that ran last belongs to a loss (what autograd saves now is the loss's)
+        self._last_cast: Optional[Tuple[str, torch.Tensor, int]] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.in_loss = any(n in func.__name__ for n in _LOSS_INPUTS)
+        if self.in_loss and self._last_cast is not None:  # the cast that fed a loss is the loss's
+            kind, cast, nbytes = self._last_cast
+            if any(t is cast for t in tree_leaves((args, kwargs))):
+                self._count(kind, -1, -nbytes)
+                self._count("loss", 1, nbytes)
+        self._last_cast = None
         source = args[0] if args else None
         if isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor):
             cast = func in _CASTS and out.dtype != source.dtype
             if func is torch.ops.aten.copy_.default and isinstance(args[1], torch.Tensor):
                 source, cast = args[1], args[1].dtype != out.dtype
             if cast:
-                kind = "weight" if self.weights.holds(source) else "activation"
-                self.casts[kind] += 1
-                self.cast_bytes[kind] += out.numel() * out.element_size()
+                kind = "scalar" if out.numel() <= 1 else "weight" if self.weights.holds(source) else "activation"
+                nbytes = out.numel() * out.element_size()
+                self._count(kind, 1, nbytes)
+                self._last_cast = (kind, out, nbytes)
+                phase = "forward" if self.forward else "backward/step"
+                self.cast_kinds[f"{kind} {_name(source.dtype)}->{_name(out.dtype)} {list(out.shape)} ({phase})"] += 1
         if self.forward and self.first_promotion is None and func not in _CASTS:
             self._promotion(func, args, kwargs, out)
         return out
+
+    def _count(self, kind: str, casts: int, nbytes: int) -> None:
+        self.casts[kind] += casts
+        self.cast_bytes[kind] += nbytes
 
     def _promotion(self, func, args, kwargs, out) -> None:
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or any(n in func.__name__ for n in _LOSSES):
@@ -109,14 +130,18 @@ class _Observer(TorchDispatchMode):
             self.first_promotion = f"{func.__name__}({operands}) in {self.module_path()}"
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 class _Weights:
     """Which tensors are weights: a Parameter, a tensor sharing a Parameter's storage, or one with a
-    Parameter's shape (a half copy of a weight, a weight's grad)."""
+    Parameter's shape or a matrix Parameter's transposed shape (a half copy of a weight, a weight's grad)."""
 
     def __init__(self, model: nn.Module) -> None:
         params = list(model.parameters())
         self.storages = {p.untyped_storage().data_ptr() for p in params}
-        self.shapes = {tuple(p.shape) for p in params}
+        self.shapes = {tuple(p.shape) for p in params} | {tuple(p.shape)[::-1] for p in params if p.dim() == 2}
 
     def holds(self, t: torch.Tensor) -> bool:
         if isinstance(t, nn.Parameter) or tuple(t.shape) in self.shapes:
@@ -161,8 +186,9 @@ def _callback(model: nn.Module):
         """Observes the first training batch: its forward, backward and optimizer step."""
 
         def __init__(self) -> None:
-            self.saved: Dict[str, Dict[str, int]] = {"activation": Counter(), "weight": Counter()}
+            self.saved: Dict[str, Dict[str, int]] = {"activation": Counter(), "weight": Counter(), "loss": Counter()}
             self.seen_storages: set = set()
+            self.saved_kinds: Counter = Counter()
             self.block_dtypes: List[str] = []
             self.observer: Optional[_Observer] = None
 
@@ -174,7 +200,8 @@ def _callback(model: nn.Module):
             self.observer = _Observer(weights, modules.path)
             self.stack = contextlib.ExitStack()
             self.stack.enter_context(modules)
-            self.stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, weights), lambda t: t))
+            self.stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, weights),
+                                                                              lambda t: t))
             self.stack.enter_context(self.observer)
             for name, block in blocks_of(pl_module):
                 self.stack.callback(block.register_forward_hook(self._block_output).remove)
@@ -196,8 +223,9 @@ def _callback(model: nn.Module):
                 return t
             if key not in self.seen_storages:
                 self.seen_storages.add(key)
-                kind = "weight" if weights.holds(t) else "activation"
+                kind = "loss" if self.observer.in_loss else "weight" if weights.holds(t) else "activation"
                 self.saved[kind][str(t.dtype).replace("torch.", "")] += nbytes
+                self.saved_kinds[f"{kind} {_name(t.dtype)} {list(t.shape)} {nbytes}B"] += 1
             return t
 
         def _block_output(self, module, args, output):
@@ -233,9 +261,10 @@ def measure_level(make_module: Callable[[], Any], batches: Sequence[Any], level:
         trainer.fit(module, torch.utils.data.DataLoader(list(batches), batch_size=None))
     observer = watch.observer
     return StreamRecord(level=level, saved_bytes={k: dict(v) for k, v in watch.saved.items()},
-                        casts={k: observer.casts[k] for k in ("activation", "weight")},
-                        cast_bytes={k: observer.cast_bytes[k] for k in ("activation", "weight")},
-                        block_dtypes=watch.block_dtypes, first_promotion=observer.first_promotion)
+                        casts={k: observer.casts[k] for k in ("activation", "weight", "scalar", "loss")},
+                        cast_bytes={k: observer.cast_bytes[k] for k in ("activation", "weight", "scalar", "loss")},
+                        block_dtypes=watch.block_dtypes, first_promotion=observer.first_promotion,
+                        cast_kinds=dict(observer.cast_kinds), saved_kinds=dict(watch.saved_kinds))
 
 
 def stream_report(make_module: Callable[[], Any], batches: Sequence[Any], levels: Iterable[str] = STREAM_LEVELS,
