@@ -5,7 +5,7 @@
 One Trainer step per level of each model (tiny, random-init, from config classes: no downloads), observed by
 :mod:`lightning_amp.bench.stream`: saved-for-backward bytes by dtype, dtype casts and their bytes, each block's
 output dtype, and the first op that promotes a half stream to fp32. The counts do not depend on the machine
-(CPU here); ``tests/bench/test_o2_stream.py`` holds O2 to ``bf16-true`` on every model of :data:`MODELS`.
+(CPU here); ``tests/bench/test_stream_tool.py`` holds O2 to ``bf16-true`` on every model of :data:`MODELS`.
 """
 from __future__ import annotations
 

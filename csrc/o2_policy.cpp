@@ -360,6 +360,9 @@ struct O2Rule<Rule::stream_where, dev, Op> {
     if (!half_first && !(is_half<dev>(b) && is_fp32<dev>(a))) return Op::call(condition, a, b);
     const at::Tensor& h = half_first ? a : b;
     const at::Tensor& f = half_first ? b : a;
+    for (const at::Tensor* t : {&condition, &a, &b}) {
+      if (t->unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return Op::call(condition, a, b);
+    }
     const auto sizes = at::infer_size(at::infer_size(condition.sizes(), a.sizes()), b.sizes());
     if (!follows_stream(f, numel_of(sizes))) {
       report_promotion(Op::name, a, b);
