@@ -211,6 +211,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("o2_share_join", &lamp::o2::share_join, py::arg("token"));
   m.def("o2_share_end", &lamp::o2::share_end);
   m.def("o2_table", &lamp::o2::table);
+  // O2's stream forensics (amp/o2/stream_watch.py): `callback(op, operands)` is called once, the first time an
+  // fp32 activation promotes a half one inside O2's forward; None disarms. A Python error it raises (a warning
+  // turned into an error) propagates out of the op.
+  m.def("o2_report_promotions", [](py::object callback) {
+    static PyObject* current = nullptr;  // owned; replaced under the GIL; left alive at exit on purpose
+    PyObject* previous = current;
+    if (callback.is_none()) {
+      current = nullptr;
+      lamp::o2::set_promotion_reporter({});
+    } else {
+      current = callback.inc_ref().ptr();
+      lamp::o2::set_promotion_reporter([](const std::string& op, const std::string& operands) {
+        py::gil_scoped_acquire gil;
+        if (current == nullptr) return;
+        py::handle callback(current);
+        callback(op, operands);
+      });
+    }
+    Py_XDECREF(previous);
+  }, py::arg("callback"));
 
   // ==== BEGIN fused-optimizer bindings (owned by the fused-optimizers helper) ====
   // Add the optimizer m.def(...) lines here.

@@ -15,32 +15,46 @@
 //     run on their inputs as they come (an explicit dtype= is kept), as without autocast;
 //   * embedding: its result is cast to the half dtype (the rows of the table rounded to half, without
 //     a half copy of the table), so the stream starts half;
-//   * add/sub/mul/div of a half tensor and an fp32 leaf that requires grad (a Parameter: an RMSNorm
-//     weight, a layer scale, a learned position table): the leaf is cast to the half dtype, where
-//     type promotion would make the result fp32;
+//   * the half stream by construction: add/sub/mul/div, where, cat and stack of a half activation and
+//     an fp32 tensor that is no activation of the stream (stream_follows: a Parameter, any view or
+//     expression of Parameters, a buffer, a table, a mask, a per-row statistic that broadcasts into the
+//     half operand) return half. add/sub/mul/div compute in fp32 from the exact operands and round once
+//     (StreamBinary: one kernel on CUDA, no cast an autograd graph or a dispatch mode would see, grads
+//     of the fp32 operand reduced in fp32); where/cat/stack round the fp32 operand (they do no
+//     arithmetic). A value rounded for a tensor that requires no grad (a mask) saturates at the half
+//     dtype's finite range. A full-size fp32 activation (an explicit upcast, an fp32 residual) keeps
+//     torch's promotion, and that promotion is reported once per arming (set_promotion_reporter);
 //   * losses stay fp32: torch's fp32 list keeps them (they are not registered here), and CUDA's
 //     cross_entropy_loss, which torch lets decompose into log_softmax and nll_loss, runs whole in fp32.
 // Elsewhere (policy not active on the thread: bf16-mixed or O1 in the same process, another thread,
 // a forward outside O2's) each kernel is torch's: the op's policy on that key through the template
 // torch itself instantiates (at::autocast::WrapFunction), or, where torch registers none, a
 // redispatch below autocast (what its fallthrough does). Which of the two is read from the installed
-// torch's dispatcher before the first install (torch_cuda_kernels): an op the table lists as upcast on
+// torch's dispatcher before the first install (torch_kernels): an op the table lists as upcast on
 // CUDA that this torch does not register there (rms_norm in torch 2.11; 2.13 upcasts it) keeps the fallthrough.
 // tests/test_o2_policy.py compares both.
 #include "o2_policy.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/Operators.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/library.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <atomic>
+#include <functional>
+#include <limits>
 #include <memory>
+#include <optional>
+#include <sstream>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace lamp {
@@ -57,8 +71,9 @@ inline bool policy_active() {
   return token != 0 && token == g_live_share.load(std::memory_order_relaxed);
 }
 
-enum class Rule { as_is, follow_input, half_output, to_fp32, param_to_half, batch_norm };
-enum class Torch { fallthrough, fp32, fp32_set_opt_dtype };  // torch's own policy for an op on a key
+enum class Rule { as_is, follow_input, half_output, to_fp32, stream_add, stream_sub, stream_mul, stream_div, stream_where,
+                  stream_list, batch_norm };
+enum class Torch { fallthrough, fp32, fp32_set_opt_dtype, promote };  // torch's own policy for an op on a key
 
 using at::autocast::cached_cast;
 
@@ -68,11 +83,196 @@ inline bool is_half(const at::Tensor& t) {
          (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16);
 }
 
-// An fp32 Parameter: a leaf that requires grad, not 0-dim (a 0-dim tensor does not promote a half one).
 template <c10::DeviceType dev>
-inline bool is_fp32_param(const at::Tensor& t) {
-  return t.defined() && at::autocast::is_eligible(t, dev) && t.scalar_type() == at::kFloat && t.dim() > 0 &&
-         t.is_leaf() && t.requires_grad();
+inline bool is_fp32(const at::Tensor& t) {
+  return t.defined() && at::autocast::is_eligible(t, dev) && t.scalar_type() == at::kFloat && t.dim() > 0;
+}
+
+// A trained Parameter (a leaf that requires grad), a view of one, or (with autograd history) an expression of
+// trained Parameters: a graph of at most 8 nodes whose every path ends at an AccumulateGrad (an input without
+// grad, a scalar or a buffer, adds no path). A heuristic with a short reach: an upcast within 8 ops of the
+// embeddings would count too (it then follows the stream, computed in fp32 and rounded once).
+inline bool parameter_derived(const at::Tensor& t) {
+  if (t.is_leaf() && t.requires_grad()) return true;
+  if (t.is_view()) {
+    const at::TensorBase& base = t._base();
+    if (base.is_leaf() && base.requires_grad()) return true;
+  }
+  if (!t.requires_grad() || !t.grad_fn()) return false;
+  constexpr int max_nodes = 8;
+  std::vector<torch::autograd::Node*> pending{t.grad_fn().get()};
+  int visited = 0;
+  while (!pending.empty()) {
+    torch::autograd::Node* node = pending.back();
+    pending.pop_back();
+    if (++visited > max_nodes) return false;
+    for (const auto& edge : node->next_edges()) {
+      if (!edge.is_valid()) continue;
+      if (dynamic_cast<torch::autograd::AccumulateGrad*>(edge.function.get()) == nullptr) {
+        pending.push_back(edge.function.get());
+      }
+    }
+  }
+  return true;
+}
+
+// Whether an fp32 operand follows the half stream (the rule of docs/o2-design.md): it broadcasts into the
+// result (fewer elements: a Parameter, a table, a mask, a per-row statistic), it derives from Parameters
+// only, or it has no autograd history while grad mode is on (a buffer, a mask, a constant, the batch: no
+// trained Parameter reached it). Otherwise it is an fp32 activation of the result's size: torch promotes.
+inline bool follows_stream(const at::Tensor& f, int64_t result_numel) {
+  if (!f.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && f.numel() < result_numel) return true;
+  if (parameter_derived(f)) return true;
+  return at::GradMode::is_enabled() && !f.requires_grad();
+}
+
+inline int64_t numel_of(at::IntArrayRef sizes) { return c10::multiply_integers(sizes); }
+
+// ---- promotions left to torch, reported (once per arming) to the forensics of amp/o2/stream_watch.py
+std::atomic<bool> g_report_armed{false};
+std::mutex g_reporter_mutex;
+PromotionReporter g_reporter;
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << c10::toString(t.scalar_type()) << t.sizes();
+  if (t.requires_grad()) out << " requires_grad";
+  return out.str();
+}
+
+template <class... T>
+void report_promotion(const char* op, const T&... tensors) {
+  if (!g_report_armed.load(std::memory_order_relaxed) || !g_report_armed.exchange(false)) return;
+  PromotionReporter reporter;
+  {
+    std::lock_guard<std::mutex> lock(g_reporter_mutex);
+    reporter = g_reporter;
+  }
+  if (!reporter) return;
+  std::string operands;
+  ((operands += (operands.empty() ? "" : ", ") + describe(tensors)), ...);
+  reporter(op, operands);
+}
+
+// The half dtype's finite range: a value rounded for a tensor without grad (a mask of fp32's lowest value)
+// saturates there instead of becoming an infinity (which a fully masked row's softmax turns into NaN).
+inline void saturate_(at::Tensor& t) {
+  const double top = t.scalar_type() == at::kHalf ? 65504.0 : 3.3895313892515355e38;
+  t.clamp_(-top, top);
+}
+
+enum class Binary : int64_t { add, sub, mul, div };
+
+// op(h, f) or op(f, h) of a half operand h and an fp32 operand f, returned in h's dtype: computed in fp32
+// from the exact operands and rounded once (TensorIterator's out= in the half dtype). Backward: the half
+// operand's grad in its dtype through the same rule, the fp32 operand's grad reduced in fp32.
+struct StreamBinary : public torch::autograd::Function<StreamBinary> {
+  static at::Tensor compute(const at::Tensor& h, const at::Tensor& f, Binary op, bool half_first, double alpha) {
+    const at::Tensor& a = half_first ? h : f;
+    const at::Tensor& b = half_first ? f : h;
+    const auto sizes = at::infer_size(a.sizes(), b.sizes());
+    at::Tensor out = h.sizes().equals(sizes) ? at::empty_like(h) : at::empty(sizes, h.options());
+    switch (op) {
+      case Binary::add: at::add_out(out, a, b, alpha); break;
+      case Binary::sub: at::sub_out(out, a, b, alpha); break;
+      case Binary::mul: at::mul_out(out, a, b); break;
+      case Binary::div: at::div_out(out, a, b); break;
+    }
+    if (!f.requires_grad()) saturate_(out);
+    return out;
+  }
+
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, const at::Tensor& f,
+                            int64_t op, bool half_first, double alpha) {
+    ctx->saved_data["op"] = op;
+    ctx->saved_data["half_first"] = half_first;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["h_sizes"] = h.sizes().vec();
+    ctx->saved_data["f_sizes"] = f.sizes().vec();
+    // What backward reads, only where a grad needs it (as torch's own MulBackward/DivBackward save)
+    const bool h_grad = h.requires_grad(), f_grad = f.requires_grad();
+    if (op == static_cast<int64_t>(Binary::mul)) {
+      ctx->save_for_backward({f_grad ? h : at::Tensor(), h_grad ? f : at::Tensor()});
+    } else if (op == static_cast<int64_t>(Binary::div)) {
+      ctx->save_for_backward({f_grad || !half_first ? h : at::Tensor(), h_grad || half_first ? f : at::Tensor()});
+    }
+    return compute(h, f, static_cast<Binary>(op), half_first, alpha);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& g = grads[0];
+    const auto op = static_cast<Binary>(ctx->saved_data["op"].toInt());
+    const bool half_first = ctx->saved_data["half_first"].toBool();
+    const double alpha = ctx->saved_data["alpha"].toDouble();
+    const auto h_sizes = ctx->saved_data["h_sizes"].toIntVector();
+    const auto f_sizes = ctx->saved_data["f_sizes"].toIntVector();
+    const bool need_h = ctx->needs_input_grad(0), need_f = ctx->needs_input_grad(1);
+    at::Tensor gh, gf;  // gh: the half operand's grad before reduction; gf: the fp32 operand's, reduced in fp32
+    if (op == Binary::add || op == Binary::sub) {
+      const double coef = op == Binary::add ? alpha : -alpha;  // d(result)/d(second operand)
+      if (need_h) gh = half_first || coef == 1.0 ? g : g * coef;
+      if (need_f) {
+        gf = sum_to_fp32(g, f_sizes);
+        if (half_first && coef != 1.0) gf = gf * coef;
+      }
+    } else {
+      const auto saved = ctx->get_saved_variables();
+      const at::Tensor& h = saved[0];
+      const at::Tensor& f = saved[1];
+      const auto mul = static_cast<int64_t>(Binary::mul);
+      if (op == Binary::mul) {
+        if (need_h) gh = apply(g, f, mul, true, 1.0);
+        if (need_f) gf = sum_to_fp32(g * h, f_sizes);
+      } else if (half_first) {  // h / f; f is constant along the dimensions it broadcasts over
+        if (need_h) gh = apply(g, f, static_cast<int64_t>(Binary::div), true, 1.0);
+        if (need_f) gf = -sum_to_fp32(g * h, f_sizes) / (f * f);
+      } else {  // f / h
+        if (need_h) gh = -apply(g, f, mul, true, 1.0) / h / h;
+        if (need_f) gf = sum_to_fp32(g / h, f_sizes);
+      }
+    }
+    return {need_h ? at::sum_to(gh, h_sizes) : at::Tensor(), gf, {}, {}, {}};
+  }
+
+  // The sum of t over the dimensions that broadcast an operand of ``sizes`` into t, accumulated and returned in fp32.
+  static at::Tensor sum_to_fp32(const at::Tensor& t, at::IntArrayRef sizes) {
+    if (!t.defined()) return t;
+    const int64_t leading = t.dim() - static_cast<int64_t>(sizes.size());
+    std::vector<int64_t> dims;
+    for (int64_t i = 0; i < t.dim(); ++i) {
+      if (i < leading || (sizes[i - leading] == 1 && t.size(i) != 1)) dims.push_back(i);
+    }
+    if (dims.empty()) return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
+    return at::sum(t, dims, /*keepdim=*/true, at::kFloat).reshape(sizes);
+  }
+};
+
+// add/sub/mul/div of a half tensor and an fp32 one that follows the stream: StreamBinary; nullopt where torch's
+// promotion stays (reported when an fp32 activation promotes a half one).
+template <c10::DeviceType dev>
+std::optional<at::Tensor> stream_binary(const char* name, Binary op, const at::Tensor& a, const at::Tensor& b,
+                                        double alpha = 1.0) {
+  const bool half_first = is_half<dev>(a) && is_fp32<dev>(b);
+  if (!half_first && !(is_half<dev>(b) && is_fp32<dev>(a))) return std::nullopt;
+  const at::Tensor& h = half_first ? a : b;
+  const at::Tensor& f = half_first ? b : a;
+  if (h.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || f.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return std::nullopt;
+  }
+  if (!follows_stream(f, numel_of(at::infer_size(a.sizes(), b.sizes())))) {
+    report_promotion(name, a, b);
+    return std::nullopt;
+  }
+  return StreamBinary::apply(h, f, static_cast<int64_t>(op), half_first, alpha);
+}
+
+// The fp32 operand of an op that does no arithmetic (where, cat, stack), rounded to the stream's dtype.
+template <c10::DeviceType dev>
+at::Tensor to_stream(const at::Tensor& f, at::ScalarType half) {
+  at::Tensor out = f.to(half);
+  if (!f.requires_grad()) saturate_(out);
+  return out;
 }
 
 // O2's rule for one op; called with autocast excluded for the device (as torch's own kernels are).
@@ -121,12 +321,83 @@ struct O2Rule<Rule::to_fp32, dev, Op> {
 };
 
 template <c10::DeviceType dev, class Op>
-struct O2Rule<Rule::param_to_half, dev, Op> {
-  template <class... A>
-  static auto call(const at::Tensor& a, const at::Tensor& b, const A&... rest) {
-    if (is_half<dev>(a) && is_fp32_param<dev>(b)) return Op::call(a, cached_cast(a.scalar_type(), b, dev), rest...);
-    if (is_half<dev>(b) && is_fp32_param<dev>(a)) return Op::call(cached_cast(b.scalar_type(), a, dev), b, rest...);
-    return Op::call(a, b, rest...);
+struct O2Rule<Rule::stream_add, dev, Op> {
+  static at::Tensor call(const at::Tensor& a, const at::Tensor& b, const c10::Scalar& alpha) {
+    if (auto out = stream_binary<dev>(Op::name, Binary::add, a, b, alpha.toDouble())) return *out;
+    return Op::call(a, b, alpha);
+  }
+};
+
+template <c10::DeviceType dev, class Op>
+struct O2Rule<Rule::stream_sub, dev, Op> {
+  static at::Tensor call(const at::Tensor& a, const at::Tensor& b, const c10::Scalar& alpha) {
+    if (auto out = stream_binary<dev>(Op::name, Binary::sub, a, b, alpha.toDouble())) return *out;
+    return Op::call(a, b, alpha);
+  }
+};
+
+template <c10::DeviceType dev, class Op>
+struct O2Rule<Rule::stream_mul, dev, Op> {
+  static at::Tensor call(const at::Tensor& a, const at::Tensor& b) {
+    if (auto out = stream_binary<dev>(Op::name, Binary::mul, a, b)) return *out;
+    return Op::call(a, b);
+  }
+};
+
+template <c10::DeviceType dev, class Op>
+struct O2Rule<Rule::stream_div, dev, Op> {
+  static at::Tensor call(const at::Tensor& a, const at::Tensor& b) {
+    if (auto out = stream_binary<dev>(Op::name, Binary::div, a, b)) return *out;
+    return Op::call(a, b);
+  }
+};
+
+// where(condition, self, other): a half and an fp32 branch that follows the stream: the fp32 branch rounded.
+template <c10::DeviceType dev, class Op>
+struct O2Rule<Rule::stream_where, dev, Op> {
+  static at::Tensor call(const at::Tensor& condition, const at::Tensor& a, const at::Tensor& b) {
+    const bool half_first = is_half<dev>(a) && is_fp32<dev>(b);
+    if (!half_first && !(is_half<dev>(b) && is_fp32<dev>(a))) return Op::call(condition, a, b);
+    const at::Tensor& h = half_first ? a : b;
+    const at::Tensor& f = half_first ? b : a;
+    for (const at::Tensor* t : {&condition, &a, &b}) {
+      if (t->unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return Op::call(condition, a, b);
+    }
+    const auto sizes = at::infer_size(at::infer_size(condition.sizes(), a.sizes()), b.sizes());
+    if (!follows_stream(f, numel_of(sizes))) {
+      report_promotion(Op::name, a, b);
+      return Op::call(condition, a, b);
+    }
+    const at::Tensor rounded = to_stream<dev>(f, h.scalar_type());
+    return half_first ? Op::call(condition, a, rounded) : Op::call(condition, rounded, b);
+  }
+};
+
+// cat/stack of half tensors and fp32 ones that follow the stream (a class token expanded from its Parameter):
+// the fp32 ones rounded to the half dtype; with an fp32 activation among them, torch's promotion.
+template <c10::DeviceType dev, class Op>
+struct O2Rule<Rule::stream_list, dev, Op> {
+  template <class List>
+  static at::Tensor call(const List& tensors, int64_t dim) {
+    std::optional<at::ScalarType> half;
+    bool fp32 = false;
+    for (const at::Tensor& t : tensors) {
+      if (is_half<dev>(t)) half = t.scalar_type();
+      fp32 = fp32 || is_fp32<dev>(t);
+    }
+    if (!half || !fp32) return Op::call(tensors, dim);
+    std::vector<at::Tensor> rounded;
+    for (const at::Tensor& t : tensors) {
+      if (!is_fp32<dev>(t)) {
+        rounded.push_back(t);
+      } else if (follows_stream(t, 0)) {
+        rounded.push_back(to_stream<dev>(t, *half));
+      } else {
+        report_promotion(Op::name, t);
+        return Op::call(tensors, dim);
+      }
+    }
+    return Op::call(rounded, dim);
   }
 };
 
@@ -167,8 +438,9 @@ struct Kernel<Op, dev, torch_policy, rule, c10::guts::typelist::typelist<Args...
     if constexpr (torch_policy == Torch::fallthrough) {
       return Op::redispatch(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, autocast_key), args...);
     } else {
-      constexpr auto policy = torch_policy == Torch::fp32 ? at::autocast::CastPolicy::fp32
-                                                          : at::autocast::CastPolicy::fp32_set_opt_dtype;
+      constexpr auto policy = torch_policy == Torch::fp32      ? at::autocast::CastPolicy::fp32
+                              : torch_policy == Torch::promote ? at::autocast::CastPolicy::promote
+                                                               : at::autocast::CastPolicy::fp32_set_opt_dtype;
       return at::autocast::WrapFunction<policy, dev, typename Op::schema, typename Op::schema, &Op::call>::type::call(
           args...);
     }
@@ -195,98 +467,111 @@ void add(torch::Library& lib, bool torch_registers = true) {
   }
 }
 
-// (op in at::_ops, O2's rule, torch's policy on AutocastCUDA, registered on AutocastCPU in mode "torch").
-// On the CPU key torch registers none of these (tests/test_o2_policy.py checks it), so there its policy
-// is the fallthrough; the ops whose O2 rule only drops an upcast are not registered there at all.
+// (op in at::_ops, O2's rule, torch's policy on AutocastCUDA, torch's policy on AutocastCPU, registered on
+// AutocastCPU in mode "torch"). On the CPU key torch registers none of these but cat and stack (promote;
+// tests/test_o2_policy.py checks it); the ops whose O2 rule only drops an upcast are not registered there.
 #define LAMP_O2_OPS(_)                                               \
-  _(layer_norm, follow_input, fp32, true)                           \
-  _(native_layer_norm, follow_input, fp32, true)                    \
-  _(rms_norm, follow_input, fp32, true)                             \
-  _(group_norm, follow_input, fp32, true)                           \
-  _(batch_norm, batch_norm, fallthrough, true)                      \
-  _(embedding, half_output, fallthrough, true)                      \
-  _(add_Tensor, param_to_half, fallthrough, true)                   \
-  _(sub_Tensor, param_to_half, fallthrough, true)                   \
-  _(mul_Tensor, param_to_half, fallthrough, true)                   \
-  _(div_Tensor, param_to_half, fallthrough, true)                   \
-  _(cross_entropy_loss, to_fp32, fallthrough, false)                \
-  _(softmax_int, as_is, fp32_set_opt_dtype, false)                  \
-  _(log_softmax_int, as_is, fp32_set_opt_dtype, false)              \
-  _(sum, as_is, fp32_set_opt_dtype, false)                          \
-  _(sum_dim_IntList, as_is, fp32_set_opt_dtype, false)              \
-  _(prod, as_is, fp32_set_opt_dtype, false)                         \
-  _(prod_dim_int, as_is, fp32_set_opt_dtype, false)                 \
-  _(cumsum, as_is, fp32_set_opt_dtype, false)                       \
-  _(cumprod, as_is, fp32_set_opt_dtype, false)                      \
-  _(linalg_vector_norm, as_is, fp32_set_opt_dtype, false)           \
-  _(frobenius_norm_dim, as_is, fp32, false)                         \
-  _(pow_Tensor_Scalar, as_is, fp32, false)                          \
-  _(pow_Tensor_Tensor, as_is, fp32, false)                          \
-  _(pow_Scalar, as_is, fp32, false)                                 \
-  _(exp, as_is, fp32, false)                                        \
-  _(expm1, as_is, fp32, false)                                      \
-  _(log, as_is, fp32, false)                                        \
-  _(log10, as_is, fp32, false)                                      \
-  _(log2, as_is, fp32, false)                                       \
-  _(log1p, as_is, fp32, false)                                      \
-  _(reciprocal, as_is, fp32, false)                                 \
-  _(rsqrt, as_is, fp32, false)                                      \
-  _(acos, as_is, fp32, false)                                       \
-  _(asin, as_is, fp32, false)                                       \
-  _(cosh, as_is, fp32, false)                                       \
-  _(sinh, as_is, fp32, false)                                       \
-  _(tan, as_is, fp32, false)                                        \
-  _(erfinv, as_is, fp32, false)                                     \
-  _(softplus, as_is, fp32, false)                                   \
-  _(upsample_nearest1d, as_is, fp32, false)                         \
-  _(_upsample_nearest_exact1d, as_is, fp32, false)                  \
-  _(upsample_nearest2d, as_is, fp32, false)                         \
-  _(_upsample_nearest_exact2d, as_is, fp32, false)                  \
-  _(upsample_nearest3d, as_is, fp32, false)                         \
-  _(_upsample_nearest_exact3d, as_is, fp32, false)                  \
-  _(upsample_linear1d, as_is, fp32, false)                          \
-  _(upsample_bilinear2d, as_is, fp32, false)                        \
-  _(_upsample_bilinear2d_aa, as_is, fp32, false)                    \
-  _(upsample_trilinear3d, as_is, fp32, false)                       \
-  _(upsample_bicubic2d, as_is, fp32, false)                         \
-  _(_upsample_bicubic2d_aa, as_is, fp32, false)
+  _(layer_norm, follow_input, fp32, fallthrough, true)              \
+  _(native_layer_norm, follow_input, fp32, fallthrough, true)       \
+  _(rms_norm, follow_input, fp32, fallthrough, true)                \
+  _(group_norm, follow_input, fp32, fallthrough, true)              \
+  _(batch_norm, batch_norm, fallthrough, fallthrough, true)         \
+  _(embedding, half_output, fallthrough, fallthrough, true)         \
+  _(add_Tensor, stream_add, fallthrough, fallthrough, true)         \
+  _(sub_Tensor, stream_sub, fallthrough, fallthrough, true)         \
+  _(mul_Tensor, stream_mul, fallthrough, fallthrough, true)         \
+  _(div_Tensor, stream_div, fallthrough, fallthrough, true)         \
+  _(where_self, stream_where, fallthrough, fallthrough, true)       \
+  _(cat, stream_list, fallthrough, promote, true)                   \
+  _(stack, stream_list, fallthrough, promote, true)                 \
+  _(cross_entropy_loss, to_fp32, fallthrough, fallthrough, false)   \
+  _(softmax_int, as_is, fp32_set_opt_dtype, fallthrough, false)     \
+  _(log_softmax_int, as_is, fp32_set_opt_dtype, fallthrough, false) \
+  _(sum, as_is, fp32_set_opt_dtype, fallthrough, false)             \
+  _(sum_dim_IntList, as_is, fp32_set_opt_dtype, fallthrough, false) \
+  _(prod, as_is, fp32_set_opt_dtype, fallthrough, false)            \
+  _(prod_dim_int, as_is, fp32_set_opt_dtype, fallthrough, false)    \
+  _(cumsum, as_is, fp32_set_opt_dtype, fallthrough, false)          \
+  _(cumprod, as_is, fp32_set_opt_dtype, fallthrough, false)         \
+  _(linalg_vector_norm, as_is, fp32_set_opt_dtype, fallthrough, false)\
+  _(frobenius_norm_dim, as_is, fp32, fallthrough, false)            \
+  _(pow_Tensor_Scalar, as_is, fp32, fallthrough, false)             \
+  _(pow_Tensor_Tensor, as_is, fp32, fallthrough, false)             \
+  _(pow_Scalar, as_is, fp32, fallthrough, false)                    \
+  _(exp, as_is, fp32, fallthrough, false)                           \
+  _(expm1, as_is, fp32, fallthrough, false)                         \
+  _(log, as_is, fp32, fallthrough, false)                           \
+  _(log10, as_is, fp32, fallthrough, false)                         \
+  _(log2, as_is, fp32, fallthrough, false)                          \
+  _(log1p, as_is, fp32, fallthrough, false)                         \
+  _(reciprocal, as_is, fp32, fallthrough, false)                    \
+  _(rsqrt, as_is, fp32, fallthrough, false)                         \
+  _(acos, as_is, fp32, fallthrough, false)                          \
+  _(asin, as_is, fp32, fallthrough, false)                          \
+  _(cosh, as_is, fp32, fallthrough, false)                          \
+  _(sinh, as_is, fp32, fallthrough, false)                          \
+  _(tan, as_is, fp32, fallthrough, false)                           \
+  _(erfinv, as_is, fp32, fallthrough, false)                        \
+  _(softplus, as_is, fp32, fallthrough, false)                      \
+  _(upsample_nearest1d, as_is, fp32, fallthrough, false)            \
+  _(_upsample_nearest_exact1d, as_is, fp32, fallthrough, false)     \
+  _(upsample_nearest2d, as_is, fp32, fallthrough, false)            \
+  _(_upsample_nearest_exact2d, as_is, fp32, fallthrough, false)     \
+  _(upsample_nearest3d, as_is, fp32, fallthrough, false)            \
+  _(_upsample_nearest_exact3d, as_is, fp32, fallthrough, false)     \
+  _(upsample_linear1d, as_is, fp32, fallthrough, false)             \
+  _(upsample_bilinear2d, as_is, fp32, fallthrough, false)           \
+  _(_upsample_bilinear2d_aa, as_is, fp32, fallthrough, false)       \
+  _(upsample_trilinear3d, as_is, fp32, fallthrough, false)          \
+  _(upsample_bicubic2d, as_is, fp32, fallthrough, false)            \
+  _(_upsample_bicubic2d_aa, as_is, fp32, fallthrough, false)        
 
 // The ops of the table for which the installed torch registers its own AutocastCUDA kernel. Read once,
 // before any of ours is registered (the first install or table(), both with nothing installed).
-const std::unordered_set<std::string>& torch_cuda_kernels() {
-  static const std::unordered_set<std::string> names = [] {
-    std::unordered_set<std::string> out;
-#define LAMP_O2_PROBE(op, rule, torch_cuda, on_cpu)                                                   \
+const std::unordered_set<std::string>& torch_kernels(c10::DispatchKey key) {
+  static std::mutex probe_mutex;
+  static std::unordered_map<c10::DispatchKey, std::unordered_set<std::string>> by_key;
+  std::lock_guard<std::mutex> lock(probe_mutex);
+  auto found = by_key.find(key);
+  if (found != by_key.end()) return found->second;
+  std::unordered_set<std::string>& out = by_key[key];
+  {
+#define LAMP_O2_PROBE(op, rule, torch_cuda, torch_cpu, on_cpu)                                                   \
   {                                                                                                   \
     auto handle = c10::Dispatcher::singleton().findOp({at::_ops::op::name, at::_ops::op::overload_name}); \
-    if (handle && handle->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA))                  \
+    if (handle && handle->hasKernelForDispatchKey(key))                                             \
       out.insert(op_name<at::_ops::op>());                                                            \
   }
     LAMP_O2_OPS(LAMP_O2_PROBE)
 #undef LAMP_O2_PROBE
-    return out;
-  }();
-  return names;
+  }
+  return out;
 }
 
-bool torch_registers_on_cuda(const std::string& name) { return torch_cuda_kernels().count(name) > 0; }
+// Called with g_mutex held or before any install (table()): the probe reads torch's own registrations.
+bool torch_registers_on_cuda(const std::string& name) {
+  return torch_kernels(c10::DispatchKey::AutocastCUDA).count(name) > 0;
+}
+bool torch_registers_on_cpu(const std::string& name) {
+  return torch_kernels(c10::DispatchKey::AutocastCPU).count(name) > 0;
+}
 
 void register_cuda_key(torch::Library& lib) {
-#define LAMP_O2_ADD(op, rule, torch_cuda, on_cpu) \
+#define LAMP_O2_ADD(op, rule, torch_cuda, torch_cpu, on_cpu) \
   add<at::_ops::op, c10::DeviceType::CUDA, Torch::torch_cuda, Rule::rule>(lib, torch_registers_on_cuda(op_name<at::_ops::op>()));
   LAMP_O2_OPS(LAMP_O2_ADD)
 #undef LAMP_O2_ADD
 }
 
 void register_cpu_key(torch::Library& lib) {
-#define LAMP_O2_ADD(op, rule, torch_cuda, on_cpu) \
-  if (on_cpu) add<at::_ops::op, c10::DeviceType::CPU, Torch::fallthrough, Rule::rule>(lib);
+#define LAMP_O2_ADD(op, rule, torch_cuda, torch_cpu, on_cpu) \
+  if (on_cpu) add<at::_ops::op, c10::DeviceType::CPU, Torch::torch_cpu, Rule::rule>(lib, torch_registers_on_cpu(op_name<at::_ops::op>()));
   LAMP_O2_OPS(LAMP_O2_ADD)
 #undef LAMP_O2_ADD
 }
 
 void register_cuda_lists_on_cpu_key(torch::Library& lib) {
-#define LAMP_O2_ADD(op, rule, torch_cuda, on_cpu) \
+#define LAMP_O2_ADD(op, rule, torch_cuda, torch_cpu, on_cpu) \
   add<at::_ops::op, c10::DeviceType::CPU, Torch::torch_cuda, Rule::rule>(lib, torch_registers_on_cuda(op_name<at::_ops::op>()));
   LAMP_O2_OPS(LAMP_O2_ADD)
 #undef LAMP_O2_ADD
@@ -338,7 +623,8 @@ void install(const std::string& mode) {
     ++g_installs;
     return;
   }
-  torch_cuda_kernels();  // read torch's own registrations before any of ours
+  torch_kernels(c10::DispatchKey::AutocastCUDA);  // read torch's own registrations before any of ours
+  torch_kernels(c10::DispatchKey::AutocastCPU);
   auto cuda = library_for(c10::DispatchKey::AutocastCUDA);
   register_cuda_key(*cuda);
   auto cpu = library_for(c10::DispatchKey::AutocastCPU);
@@ -367,14 +653,22 @@ int64_t installs() {
   return g_installs;
 }
 
-std::vector<std::tuple<std::string, std::string, std::string, bool>> table() {
-  std::vector<std::tuple<std::string, std::string, std::string, bool>> rows;
+void set_promotion_reporter(PromotionReporter reporter) {
+  std::lock_guard<std::mutex> lock(g_reporter_mutex);
+  g_reporter = std::move(reporter);
+  g_report_armed.store(static_cast<bool>(g_reporter));
+}
+
+std::vector<std::tuple<std::string, std::string, std::string, bool, std::string>> table() {
+  std::vector<std::tuple<std::string, std::string, std::string, bool, std::string>> rows;
   // torch's policy as installed: an upcast the table names but this torch does not register is its fallthrough
-#define LAMP_O2_ROW(op, rule, torch_cuda, on_cpu)                                                        \
+#define LAMP_O2_ROW(op, rule, torch_cuda, torch_cpu, on_cpu)                                             \
   {                                                                                                      \
     const std::string name = op_name<at::_ops::op>();                                                   \
     const bool torch_has = std::string(#torch_cuda) == "fallthrough" || torch_registers_on_cuda(name);  \
-    rows.emplace_back(name, #rule, torch_has ? #torch_cuda : "fallthrough", on_cpu);                     \
+    const bool torch_cpu_has = std::string(#torch_cpu) == "fallthrough" || torch_registers_on_cpu(name);  \
+    rows.emplace_back(name, #rule, torch_has ? #torch_cuda : "fallthrough", on_cpu,                      \
+                      torch_cpu_has ? #torch_cpu : "fallthrough");                                       \
   }
   LAMP_O2_OPS(LAMP_O2_ROW)
 #undef LAMP_O2_ROW

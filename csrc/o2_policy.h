@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -32,8 +33,14 @@ void install(const std::string& mode);
 void uninstall();
 int64_t installs();
 
-// (op name, O2 rule, torch's CUDA policy, registered on the CPU key) of every kernel.
-std::vector<std::tuple<std::string, std::string, std::string, bool>> table();
+// (op name, O2 rule, torch's CUDA policy, registered on the CPU key, torch's CPU policy) of every kernel.
+std::vector<std::tuple<std::string, std::string, std::string, bool, std::string>> table();
+
+// Called (op, its operands described) the first time after arming that an fp32 activation promotes a half
+// one inside O2's forward (torch's promotion kept: docs/o2-design.md); a reporter arms, an empty one
+// disarms. Called on the thread of the op, which holds no lock of the policy.
+using PromotionReporter = std::function<void(const std::string& op, const std::string& operands)>;
+void set_promotion_reporter(PromotionReporter reporter);
 
 }  // namespace o2
 }  // namespace lamp

@@ -8,6 +8,9 @@ Each check (:data:`CHECKS`, in order) raises on a wrong result and returns a one
   gradient for the flag-writing ones), against the same call on its pure-PyTorch fallback;
 - ``o2_policy``: O2's kernels registered over autocast: off O2's per-thread switch each op's output equals
   torch's own autocast (exactly), on it the output is half;
+- ``o2_stream``: one Trainer step of the headline model (``examples/bert_sentiment.py``, tiny) at O2 and at
+  ``bf16-true`` under :mod:`lightning_amp.bench.stream`: every block's output half, no op promoting the half
+  stream to fp32, saved activation bytes within 1.02x ``bf16-true``'s;
 - ``trainer_levels``: O1/O2/O3 x (bf16, fp16 with a dynamic loss scale), a few Trainer steps on a tiny
   ``transformers`` BERT and on Lightning's demo Transformer: every step ran and every loss is finite;
 - ``sync_debug``: O2 fp16 + FusedAdam steps under ``torch.cuda.set_sync_debug_mode("error")`` after two
@@ -189,6 +192,26 @@ def check_o2_policy(device: str) -> str:
     return "; ".join(details)
 
 
+def check_o2_stream(device: str) -> str:
+    """The headline model's residual stream under O2: half in every block, no promotion, bf16-true's saved bytes."""
+    from lightning_amp.bench.stream import stream_report
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import bert_sentiment
+
+    _quiet()
+    records = stream_report(lambda: bert_sentiment.build_example("tiny", batch_size=4).module,
+                            [next(iter(bert_sentiment.build_example("tiny", batch_size=4).train_dataloader))],
+                            levels=("bf16-true", "O2"), accelerator=device)
+    o2, true = records["O2"], records["bf16-true"]
+    ratio = o2.saved_activation_bytes / true.saved_activation_bytes
+    detail = (f"{len(o2.block_dtypes)} blocks {'/'.join(sorted(set(o2.block_dtypes)))}, saved activations {ratio:.3f}x "
+              f"bf16-true's, first promotion: {o2.first_promotion or 'none'}")
+    if set(o2.block_dtypes) != {"bfloat16"} or o2.first_promotion is not None or ratio > 1.02:
+        raise AssertionError(f"O2's stream is not half on the headline model: {detail}")
+    return detail
+
+
 def _quiet() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
@@ -325,7 +348,8 @@ def check_tp_fused(device: str) -> str:
     return f"{trainer.global_step} steps under {type(trainer.strategy).__name__}, last loss {losses[-1]:.3f}"
 
 
-CHECKS = {"ops": check_ops, "o2_policy": check_o2_policy, "trainer_levels": check_trainer_levels,
+CHECKS = {"ops": check_ops, "o2_policy": check_o2_policy, "o2_stream": check_o2_stream,
+          "trainer_levels": check_trainer_levels,
           "sync_debug": check_sync_debug, "tp_fused": check_tp_fused}
 
 

@@ -2,7 +2,7 @@
 
     lightning-amp bench [--models feedforward,unet,bert] [--levels fp32,bf16-mixed,bf16-true,O1,O2,O3]
                         [--dtype auto] [--accelerator auto|cpu|cuda] [--steps N] [--size tiny|small|base]
-                        [--batch-size N] [--optimizer example|fused-adam] [--out DIR] [--quick]
+                        [--batch-size N] [--optimizer example|fused-adam] [--out DIR] [--quick] [--stream]
     lightning-amp info
     lightning-amp build [--force]
     lightning-amp --version
@@ -17,6 +17,11 @@ are case-insensitive, and ``--dtype`` takes the names the plugins take ("fp16", 
 exit with status 2, the command's usage and the allowed values, no traceback (an unknown flag with the closest
 known one). A ``--quick`` run labels its figures indicative: a few steps of tiny models time noise as much as
 the levels.
+
+``bench --stream`` times nothing: one Trainer step of each model per level, observed by
+:mod:`lightning_amp.bench.stream` (saved-for-backward bytes by dtype, dtype casts and their bytes, each block's
+output dtype, the first op that promotes a half stream to fp32); it prints a table per model and writes
+DIR/stream.json. For a model of one's own: :func:`lightning_amp.bench.stream.stream_report`.
 
 ``build`` compiles the kernels for the running torch into the per-user cache ahead of first use (for a
 Docker image or an offline cluster; ``LIGHTNING_AMP_CACHE_DIR`` chooses the folder); exit status 1 when
@@ -46,6 +51,7 @@ QUICK_CAVEAT = ("quick run ({steps} timed steps after {warmup} warm-up, {size} m
 EXAMPLES = """examples:
   lightning-amp bench --quick                        # smoke run: tiny models, six levels, 1 warm-up + 3 timed steps
   lightning-amp bench --models bert --levels fp32,bf16-mixed,O2 --steps 50 --out bench-out
+  lightning-amp bench --stream --models bert         # what each level saves for backward, casts, keeps half
   lightning-amp info                                 # versions, compiled backend, bf16 instructions of this CPU
   lightning-amp build                                # compile the kernels for this torch now, not at first import
 """
@@ -144,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: tiny models, 1 warm-up + 3 timed steps; its figures are labelled indicative")
 
+    bench.add_argument("--stream", action="store_true",
+                       help="no timing: saved-for-backward bytes, dtype casts and block output dtypes of one step per "
+                            "level, and the first op that promotes a half stream to fp32 (writes DIR/stream.json)")
     bench.set_defaults(command_parser=bench)
 
     info = commands.add_parser("info", help="versions, compiled backend and bf16 support of this machine")
@@ -155,7 +164,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stream(args: argparse.Namespace) -> int:
+    """``bench --stream``: :func:`lightning_amp.bench.stream.stream_report` on each example model."""
+    import json
+
+    import torch
+
+    from lightning_amp.bench.models import MODELS as BENCH_MODELS, load_example
+    from lightning_amp.bench.stream import format_report, stream_report
+
+    accelerator = "cpu" if args.accelerator == "cpu" or not torch.cuda.is_available() else "cuda"
+    dtype = torch.float16 if args.dtype == "float16" else torch.bfloat16
+    levels = ["32-true" if level == "fp32" else level for level in (args.levels or default_levels(args.dtype))]
+    out = {}
+    for name in args.models:
+        size = args.size or BENCH_MODELS[name].defaults(accelerator)["size"]
+        example = load_example(name)
+
+        def make(example=example, size=size):
+            return example.build_example(size, seed=args.seed, batch_size=args.batch_size).module
+
+        batch = next(iter(example.build_example(size, seed=args.seed, batch_size=args.batch_size).train_dataloader))
+        records = stream_report(make, [batch], levels, dtype=dtype, accelerator=accelerator)
+        baseline = next((level for level in ("bf16-true", "16-true") if level in records), levels[0])
+        print(format_report(f"{name} ({size}, {accelerator}, one step)", records, baseline), flush=True)
+        out[name] = {level: record.as_dict() for level, record in records.items()}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "stream.json"), "w") as f:
+        json.dump({"command": f"lightning-amp {shlex.join(args.argv)}", "commit": commit(), "models": out}, f, indent=1)
+    print(f"wrote {args.out}/stream.json")
+    return 0
+
+
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.stream:
+        return _stream(args)
     from rich.console import Console
 
     from lightning_amp.bench import (draw_chart, markdown_table, plan_runs, print_results, run_matrix,

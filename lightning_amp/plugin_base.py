@@ -58,6 +58,8 @@ class AmpPluginBase:
             keep the dtype the model gave them).
         norm_policy: O2's forward: "half" (default: norms, softmax and activations in the half dtype,
             as ``bf16-true``) or "fp32" (torch's autocast lists, as ``bf16-mixed``).
+        warn_on_fp32_stream: O2: one ``Fp32StreamWarning`` the first time an fp32 activation promotes the half
+            residual stream to fp32, naming the op, the module and the ways out (default True; False: silent).
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
         min_loss_scale, max_loss_scale: the dynamic :class:`~lightning_amp.amp.scaler.LossScaler`.
         combine_grad: the grads of the params each optimizer steps on live as views in one flat
@@ -107,6 +109,7 @@ class AmpPluginBase:
         log_metrics: bool = True,
         ladder: Optional[Sequence[Any]] = None,
         ladder_rules: Optional[LadderRules] = None,
+        warn_on_fp32_stream: bool = True,
     ) -> None:
         if not isinstance(log_metrics, bool):
             raise TypeError(f"`log_metrics` must be True or False; got {log_metrics!r}")
@@ -119,7 +122,7 @@ class AmpPluginBase:
         #: the runtime of the level (and of the ladder with "auto"): prepare, forward context, backward, step, release
         self.amp = AmpRuntime(opt_level, dtype, loss_scale, keep_batchnorm_fp32, master_weights, cast_model_outputs,
                               half_buffers, norm_policy, scaler_kwargs, combine_grad, fused_update, warn=rank_zero_warn,
-                              ladder=ladder, ladder_rules=ladder_rules)
+                              ladder=ladder, ladder_rules=ladder_rules, warn_on_fp32_stream=warn_on_fp32_stream)
 
     @property
     def ladder(self) -> Optional[AmpLadder]:

@@ -9,8 +9,10 @@
   and an fp32 class weight, mask or buffer meets half activations without a dtype error. With
   ``norm_policy="half"`` (the default) O2's op policy is active on the thread
   (:mod:`~lightning_amp.amp.o2.policy`): norms, softmax and the math autocast would upcast run in the
-  activations' half dtype, embeddings and Parameters combined with half tensors are cast to half, as
-  under ``bf16-true``; losses stay fp32. ``norm_policy="fp32"`` leaves autocast's lists as they are.
+  activations' half dtype, embeddings are cast to half, and an fp32 tensor that is no activation of the
+  stream (a Parameter, any view or expression of Parameters, a buffer, a mask) meeting a half activation
+  gives a half result (computed in fp32, rounded once), as under ``bf16-true``; losses stay fp32.
+  ``norm_policy="fp32"`` leaves autocast's lists as they are.
 * O3: the half ``dtype`` is torch's *default dtype* (the model is half, as under Lightning's
   ``bf16-true``: tensors made without a dtype meet half weights); no autocast.
 

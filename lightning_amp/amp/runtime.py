@@ -51,6 +51,7 @@ from lightning_amp.amp.ladder.rules import LadderRules
 from lightning_amp.amp.levels import AmpProperties, LossScaleSpec, resolve_properties
 from lightning_amp.amp.module_cast import (cast_floating, cast_module_, cast_outputs_hook, default_dtype,
                                            prepare_o2_module_)
+from lightning_amp.amp.o2 import stream_watch
 from lightning_amp.amp.o2.policy import PolicyHold, held as held_o2_policy, hold as hold_o2_policy
 from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.release import release_module_
@@ -91,6 +92,8 @@ class AmpRuntime:
         warn: how warnings are issued (the Lightning plugins pass a rank-zero warn).
         ladder, ladder_rules: with "auto": the rungs and the :class:`~lightning_amp.amp.ladder.rules.LadderRules`
             (:class:`~lightning_amp.amp.ladder.ladder.AmpLadder`; None: the defaults).
+        warn_on_fp32_stream: O2: one :class:`~lightning_amp.amp.o2.stream_watch.Fp32StreamWarning` the first time
+            an fp32 activation promotes the half stream, from :meth:`prepare` to :meth:`release` (True or False).
 
     Raises ValueError (TypeError for an unknown scaler keyword) naming the argument for any invalid option, at
     construction.
@@ -103,10 +106,14 @@ class AmpRuntime:
                  scaler_kwargs: Optional[Dict[str, Any]] = None, combine_grad: bool = False,
                  fused_update: bool = True, device_type: Optional[str] = None,
                  warn: Callable[[str], Any] = warnings.warn, ladder: Optional[Sequence[Any]] = None,
-                 ladder_rules: Optional[LadderRules] = None) -> None:
+                 ladder_rules: Optional[LadderRules] = None, warn_on_fp32_stream: bool = True) -> None:
         for name, value in (("combine_grad", combine_grad), ("fused_update", fused_update)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False; got {value!r}")
+        if not isinstance(warn_on_fp32_stream, bool):
+            raise TypeError(f"`warn_on_fp32_stream` must be True or False; got {warn_on_fp32_stream!r}")
+        #: O2: warn once when an fp32 activation promotes the half stream (:mod:`~lightning_amp.amp.o2.stream_watch`)
+        self.warn_on_fp32_stream = warn_on_fp32_stream
         checked_scaler_options(**(scaler_kwargs or {}))
         #: the precision ladder of ``opt_level="auto"`` (None at a fixed level)
         self.ladder: Optional[AmpLadder] = None
@@ -209,6 +216,8 @@ class AmpRuntime:
         self._policy_per_forward = not hold_policy
         if hold_policy and amp_forward.uses_o2_policy(props):
             self._policy = hold_o2_policy()
+        if self.warn_on_fp32_stream and amp_forward.uses_o2_policy(props):
+            stream_watch.arm(module)
         return module
 
     def release(self) -> None:
@@ -217,6 +226,7 @@ class AmpRuntime:
         module, self.module = self.module, None
         if module is not None:
             release_module_(module, self.properties)
+            stream_watch.disarm()
         self._release_policy()
 
     def change_level(self, opt_level: str, loss_scale: Optional[LossScaleSpec]) -> None:

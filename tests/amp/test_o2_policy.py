@@ -70,7 +70,10 @@ def _cases(dtype):
         ("mul param", lambda: x * w),
         ("add param", lambda: w + x),
         ("sub param", lambda: x - w),
-        ("div param", lambda: x / (w.abs() + 1)),  # the divisor is no leaf: promotes as torch does
+        ("div param", lambda: x / (w.abs() + 1)),  # an expression of a Parameter: torch promotes it
+        ("where param", lambda: torch.where(x > 0, x, w)),
+        ("cat param", lambda: torch.cat([x, w.expand(4, 1, 8)], 1)),
+        ("stack param", lambda: torch.stack([x[0, 0], w])),
         ("add fp32 activation", lambda: x + fp32_activation),
         ("mul 0-dim param", lambda: x * nn.Parameter(torch.tensor(1.5))),
     ]
@@ -110,7 +113,9 @@ def test_inside_o2_forward_the_rules_hold(dtype, held):
     table = nn.Parameter(torch.randn(10, 8, generator=g))
     sparse_table = nn.Parameter(table.detach().clone())
     ids = torch.randint(0, 10, (4, 6), generator=g)
-    fp32 = torch.randn(4, 6, 8, generator=g)
+    fp32_activation = torch.randn(4, 6, 8, generator=g, requires_grad=True)
+    for _ in range(9):  # more ops than O2 follows back to Parameters: an activation
+        fp32_activation = fp32_activation * 1.0
     with torch.autocast("cpu", dtype=dtype), o2_policy.forward():
         assert o2_policy.active()
         norm = F.layer_norm(x, (8,), w, b)
@@ -118,9 +123,9 @@ def test_inside_o2_forward_the_rules_hold(dtype, held):
         deliberate = F.layer_norm(x.float(), (8,), w, b)  # a model that upcasts on purpose keeps fp32
         emb = F.embedding(ids, table)
         sparse = F.embedding(ids, sparse_table, sparse=True)
-        scaled = x * w
-        promoted = x + fp32  # two activations: type promotion, as torch
-        frozen = x * w.detach()  # not a Parameter being trained
+        scaled = x * w  # computed in fp32 from the exact Parameter, rounded once
+        promoted = x + fp32_activation  # a full-size fp32 activation: type promotion, as torch
+        frozen = x * w.detach()  # broadcasts into the stream: follows it
         mean, var = torch.zeros(8, dtype=dtype), torch.ones(8, dtype=dtype)
         half_bn = F.batch_norm(x.transpose(1, 2), mean, var, w, b, training=True)
         kept_bn = F.batch_norm(x.transpose(1, 2), torch.zeros(8), torch.ones(8), w, b, training=True)
@@ -131,8 +136,8 @@ def test_inside_o2_forward_the_rules_hold(dtype, held):
         assert deliberate.dtype == torch.float32 and torch.equal(deliberate, F.layer_norm(x.float(), (8,), w, b))
         assert torch.equal(emb, F.embedding(ids, table.to(dtype)))
         assert torch.equal(sparse, emb)  # the result is cast, not the table: a sparse grad stays sparse
-        assert torch.equal(scaled, x * w.to(dtype))
-        assert promoted.dtype == torch.float32 and frozen.dtype == torch.float32
+        assert scaled.dtype == frozen.dtype == dtype and torch.equal(scaled, (x.float() * w).to(dtype))
+        assert torch.equal(frozen, scaled) and promoted.dtype == torch.float32
         ref_bn = F.batch_norm(x.transpose(1, 2), torch.zeros(8, dtype=dtype), torch.ones(8, dtype=dtype),
                               w.to(dtype), b.to(dtype), training=True)
         assert torch.equal(half_bn, ref_bn) and kept_bn.dtype == dtype
@@ -192,8 +197,8 @@ def test_group_norm_native_layer_norm_and_parameters_in_elementwise_ops_inside_o
     """docs/o2-design.md's rules for the ops no other test calls inside O2's forward: ``group_norm`` and
     ``native_layer_norm`` run in their input's dtype with half copies of their fp32 weight and bias (CUDA's
     list would upcast them: checked outside); add/sub/mul/div of a half tensor and an fp32 Parameter, on
-    either side, cast the Parameter to half (type promotion would make them fp32); an input the model
-    made fp32 keeps its norm fp32. Each result equals the op on the half copies, bit for bit."""
+    either side, are half, computed in fp32 and rounded once (type promotion would make them fp32); an input
+    the model made fp32 keeps its norm fp32. Each result equals its reference bit for bit."""
     _nothing_held()
     g = _gen(4)
     x = torch.randn(4, 6, 8, generator=g).to(dtype)
@@ -223,8 +228,10 @@ def test_group_norm_native_layer_norm_and_parameters_in_elementwise_ops_inside_o
         for got, expected in zip(native, reference):
             assert got.dtype == expected.dtype and torch.equal(got, expected)
         assert fp32_group.dtype == torch.float32 and torch.equal(fp32_group, F.group_norm(x.float(), 3, gw, gb))
-        expected_ops = {"add": (x + half_w, half_w + x), "sub": (x - half_w, half_w - x), "mul": (x * half_w, half_w * x),
-                        "div": (x / divisor.to(dtype), half_w / (x.abs() + 1))}
+        xf = x.float()
+        expected_ops = {name: tuple(t.to(dtype) for t in pair) for name, pair in {
+            "add": (xf + w, w + xf), "sub": (xf - w, w - xf), "mul": (xf * w, w * xf),
+            "div": (xf / divisor, w / (x.abs() + 1).float())}.items()}
         for name, results in ops.items():
             for got, expected in zip(results, expected_ops[name]):
                 assert got.dtype == dtype and torch.equal(got, expected), name
@@ -318,16 +325,22 @@ def test_the_table_matches_the_installed_torch():
     lists = _torch_lists()
     rows = o2_policy.table()
     assert len(rows) == len({name for name, *_ in rows}) > 40
-    for name, rule, cuda_policy, on_cpu in rows:
+    for name, rule, cuda_policy, on_cpu, cpu_policy in rows:
         cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCUDA")
         if cuda_policy == "fallthrough":
             assert not cuda_kernel and name not in lists, name
         else:
             assert cuda_kernel and lists.get(name) == cuda_policy, (name, lists.get(name), cuda_policy)
-        if on_cpu:
-            assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCPU"), name
+        if on_cpu:  # the kernel on the CPU key reproduces torch's own there
+            cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCPU")
+            assert cpu_kernel == (cpu_policy != "fallthrough"), (name, cpu_policy)
+            if cpu_policy != "fallthrough":  # torch's CPU list: cat and stack run in the widest dtype
+                assert cpu_policy == "promote" and name in ("aten::cat", "aten::stack"), name
     losses = [name for name, *_ in rows if "loss" in name or "nll" in name]
     assert [(name, rule) for name, rule, *_ in rows if name in losses] == [("aten::cross_entropy_loss", "to_fp32")]
+    assert {name for name, rule, *_ in rows if rule.startswith("stream_")} == {
+        "aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor", "aten::where.self",
+        "aten::cat", "aten::stack"}
     names = {name for name, *_ in rows}
     for upcast_on_purpose in ("aten::nll_loss", "aten::mse_loss", "aten::cosine_similarity", "aten::logsumexp"):
         assert upcast_on_purpose in lists and upcast_on_purpose not in names  # torch's fp32 kernel stays

@@ -461,3 +461,19 @@ def test_build_reports_the_cached_build_and_a_missing_compiler(tmp_path, monkeyp
     assert "lightning-amp build: no C++ compiler found (CXX='/nonexistent/c++' is not on PATH)" in capsys.readouterr().err
     assert cli.main(["info"]) == 0
     assert f"first-use build cache: {tmp_path} (LIGHTNING_AMP_CACHE_DIR)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(ops.extension_module() is None, reason="O2's stream rules need the compiled extension")
+def test_bench_stream_reports_each_levels_stream_and_writes_json(tmp_path, capsys):
+    """``bench --stream``: no timing, one step per level of the headline model; O2's blocks are half like
+    bf16-true's, bf16-mixed's are fp32 and its first promotion is named, and the JSON holds every level."""
+    assert cli.main(["bench", "--stream", "--models", "bert", "--levels", "bf16-mixed,bf16-true,O2",
+                     "--accelerator", "cpu", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "first promotion of the half stream" in out and "wrote" in out
+    report = json.loads((tmp_path / "stream.json").read_text())["models"]["bert"]
+    assert set(report) == {"bf16-mixed", "bf16-true", "O2"}
+    assert set(report["O2"]["block_dtypes"]) == set(report["bf16-true"]["block_dtypes"]) == {"bfloat16"}
+    assert set(report["bf16-mixed"]["block_dtypes"]) == {"float32"} and report["bf16-mixed"]["first_promotion"]
+    assert report["O2"]["first_promotion"] is None
+    assert report["O2"]["saved_activation_bytes"] <= 1.02 * report["bf16-true"]["saved_activation_bytes"]

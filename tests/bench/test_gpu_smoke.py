@@ -29,6 +29,12 @@ def test_o2s_policy_check_passes_and_leaves_no_hold():
     assert o2_policy.installs() == 0
 
 
+def test_the_headline_models_stream_is_half_under_o2():
+    detail = smoke.check_o2_stream("cpu")
+    assert detail.startswith("2 blocks bfloat16") and "first promotion: none" in detail
+    assert o2_policy.installs() == 0
+
+
 def test_trainer_steps_at_each_model_and_a_tp_fused_step():
     detail = smoke.check_trainer_levels("cpu", levels=(("O2", "float16"),))
     assert detail.startswith("2 runs of 4 steps") and "demo-transformer O2 float16" in detail

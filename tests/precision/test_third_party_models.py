@@ -361,7 +361,7 @@ _DECOMPOSED = {"layer_norm": "native_layer_norm", "group_norm": "native_group_no
 
 
 def _cuda_upcast_ops():
-    names = {name.split("::")[1].split(".")[0] for name, rule, cuda, _ in o2_policy.table() if cuda != "fallthrough"}
+    names = {name.split("::")[1].split(".")[0] for name, rule, cuda, *_ in o2_policy.table() if cuda != "fallthrough"}
     return names | {_DECOMPOSED[name] for name in names if name in _DECOMPOSED}
 
 

@@ -8,8 +8,10 @@ model's embeddings and its Parameters read outside a matmul (an RMSNorm weight, 
 learned position table) fp32, so the residual stream would run fp32. The compiled kernels of
 ``csrc/o2_policy.cpp``, registered over torch's autocast kernels, apply O2's rules instead while O2's
 forward is entered on the calling thread (:func:`forward`): norms run in their input's dtype with
-half copies of their weights, the fp32-list math runs on its inputs as they come, embeddings and
-Parameters combined with half tensors are cast to half, and losses stay fp32. On every other thread,
+half copies of their weights, the fp32-list math runs on its inputs as they come, embeddings are cast to
+half, an fp32 tensor that is no activation of the stream (a Parameter, any view or expression of
+Parameters, a buffer, a mask, a statistic that broadcasts into the stream) meeting a half activation
+gives a half result (the half stream by construction, docs/o2-design.md), and losses stay fp32. On every other thread,
 and on this one outside O2's forward, each kernel is exactly torch's own (the table and the comparison
 are in ``tests/amp/test_o2_policy.py``).
 
@@ -160,9 +162,9 @@ class SharedForward:
             self._hold.release()
 
 
-def table() -> List[Tuple[str, str, str, bool]]:
-    """(op, O2's rule, torch's policy for it on AutocastCUDA, registered on AutocastCPU) of every kernel;
-    empty without the extension."""
+def table() -> List[Tuple[str, str, str, bool, str]]:
+    """(op, O2's rule, torch's policy for it on AutocastCUDA, registered on AutocastCPU, torch's policy for it on
+    AutocastCPU) of every kernel; empty without the extension."""
     ext = ops.extension_module()
     return [] if ext is None else [tuple(row) for row in ext.o2_table()]
 
