@@ -1,6 +1,6 @@
 """The torch releases lightning-amp is tested with, and the one warning a user of another release gets.
 
-``TORCH_REQUIREMENT`` is the ``torch`` dependency of ``pyproject.toml`` (``tests/test_packaging.py`` checks
+``TORCH_REQUIREMENT`` is the ``torch`` dependency of ``pyproject.toml`` (``tests/test_torch_support.py`` checks
 that they are the same string); CI builds and runs under its oldest and newest releases (``.ci/torch-releases``).
 A torch outside it is not refused (it may work, and pip must not replace a user's torch to install this
 package): :func:`warn_if_untested` warns once, at import, naming the range.
@@ -9,7 +9,7 @@ import re
 import warnings
 from typing import Optional, Tuple
 
-TORCH_REQUIREMENT = ">=2.11,<2.15"
+TORCH_REQUIREMENT = ">=2.11,<2.16"
 
 Release = Tuple[int, int]
 

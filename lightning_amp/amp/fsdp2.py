@@ -22,8 +22,10 @@ forward:
   ValueError (the fix is in the message).
 
 Setting a policy after ``fully_shard`` writes FSDP2's private state (the policy is read at its lazy
-initialisation, on the first forward; checked with torch 2.11 and 2.13); where that state is not as
-expected, or the model already ran forward, the ValueError asks for ``mp_policy`` in ``fully_shard``.
+initialisation, on the first forward): the state's copy (inputs' and outputs' casts) and each param's; up to
+torch 2.14 also the group's, from which the params' dtypes are set (from 2.15 each param's own is read; checked
+with torch 2.11, 2.13 and 2.15). Where that state is not as expected, or the model already ran forward, the
+ValueError asks for ``mp_policy`` in ``fully_shard``.
 """
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ def _batchnorm_only(name: str, params: list, dtype: torch.dtype, keep_batchnorm_
     return True
 
 
-def _policy_to_set(name: str, state, groups: list, dtype: torch.dtype, bn_only: bool):
+def _policy_to_set(name: str, state, params: list, dtype: torch.dtype, bn_only: bool):
     """None when the group's policy already is O2's; O2's policy when the group has FSDP2's default;
     raises otherwise."""
     _, MixedPrecisionPolicy, _ = _fsdp2()
@@ -131,7 +133,7 @@ def _policy_to_set(name: str, state, groups: list, dtype: torch.dtype, bn_only: 
             f"computes in {dtype} and reduces gradients in fp32: pass {_fix(dtype)} to that fully_shard, or no "
             "mp_policy (the plugin sets it)."
         )
-    if getattr(state, "_is_root", None) is not None or not all(hasattr(g, "mp_policy") for g in groups):
+    if getattr(state, "_is_root", None) is not None or not all(hasattr(fp, "mp_policy") for fp in params):
         raise ValueError(
             f"lightning_amp O2 under FSDP2: cannot set the policy of fully_shard group {name!r} (it already ran "
             f"forward, or this torch's FSDP2 keeps it elsewhere); pass {_fix(dtype)} to fully_shard."
@@ -150,7 +152,7 @@ def fsdp2_half_compute_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp
         groups = _groups(state)
         params = [fp for group in groups for fp in group.fsdp_params]
         _check_fp32(name, params, managed)
-        wanted = _policy_to_set(name, state, groups, dtype, _batchnorm_only(name, params, dtype, keep_batchnorm_fp32))
+        wanted = _policy_to_set(name, state, params, dtype, _batchnorm_only(name, params, dtype, keep_batchnorm_fp32))
         if wanted is not None:
             plans.append((state, groups, wanted))
     unmanaged = [name for name, p in module.named_parameters() if p.is_floating_point() and id(p) not in managed]
@@ -164,6 +166,7 @@ def fsdp2_half_compute_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp
     for state, groups, wanted in plans:
         state._mp_policy = wanted
         for group in groups:
-            group.mp_policy = wanted
+            if hasattr(group, "mp_policy"):  # torch <= 2.14: the params' dtypes are set from the group's policy
+                group.mp_policy = wanted
             for fp in group.fsdp_params:
                 fp.mp_policy = wanted

@@ -386,7 +386,7 @@ print(len(caught))
 @pytest.mark.slow
 def test_holding_the_policy_shows_the_user_no_warning():
     """Registering kernels over torch's own may make torch warn (once per process: hence a fresh one); the policy
-    filters that warning by its text (docs/architecture.md's inventory: torch 2.13 and 2.14 emit none), so a user
+    filters that warning by its text (docs/architecture.md's inventory: torch 2.13 to 2.15 emit none), so a user
     of O2 sees no warning from it on any torch in range."""
     import subprocess
     import sys
