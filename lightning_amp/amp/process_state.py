@@ -88,7 +88,7 @@ class CountedElsewhere:
 #: every process-wide change, by name (filled as the owning modules are imported: :func:`active` imports them)
 CHANGES: Dict[str, Any] = {}
 
-_OWNERS = ("casts", "function_backward", "module_cast", "o2_policy", "recompute")
+_OWNERS = ("casts", "function_backward", "module_cast", "o2.policy", "recompute")
 
 
 def active(name: Optional[str] = None) -> Dict[str, int]:

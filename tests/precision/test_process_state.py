@@ -16,7 +16,8 @@ from torch.nn.modules import module as torch_module
 from torch.utils.checkpoint import checkpoint
 
 from lightning_amp import AmpPrecision, register_float_function
-from lightning_amp.amp import casts, function_backward, o2_policy, process_state
+from lightning_amp.amp import casts, function_backward, process_state
+from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.amp.process_state import ProcessChange
 from lightning_amp.amp.runtime import AmpRuntime
 from support.trainer import quiet_lightning
