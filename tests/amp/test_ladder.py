@@ -40,9 +40,8 @@ def test_bad_ladder_is_a_value_error_naming_it(ladder, match):
 def test_bf16_rung_with_a_loss_scale_is_refused():
     with pytest.raises(ValueError, match=r"`ladder\[1\]`.*bfloat16 rung takes no loss scale"):
         check_ladder(["O2", ("O1", 128.0)], torch.bfloat16)
-    amp = AmpRuntime("O2", dtype="bfloat16", device_type="cpu")
     with pytest.raises(ValueError, match=r"bfloat16 rung takes no loss scale"):
-        AmpLadder([("O2", "dynamic")]).resolve(amp)
+        AmpRuntime("auto", dtype="bfloat16", device_type="cpu", ladder=[("O2", "dynamic")])
 
 
 @pytest.mark.parametrize("option, value", [
@@ -270,36 +269,34 @@ def test_a_snapshot_file_that_cannot_be_read_makes_restore_raise(tmp_path, damag
 # ---- moves in a plain PyTorch loop -----------------------------------------------------
 
 
-def _train(net_cls, steps, opt_level="O2", loss_scale=None, ladder=None):
+def _train(net_cls, steps, opt_level="O2", loss_scale=None, ladder=None, rules=None):
+    """A plain loop of ``steps`` steps: at ``opt_level``/``loss_scale``, or with ``rules`` under "auto" (``ladder``:
+    its rungs, None for the default)."""
     torch.manual_seed(0)
     model, (x, y) = net_cls(), full_batch()
-    amp = AmpRuntime(opt_level, dtype="float16", loss_scale=loss_scale, device_type="cpu")
-    if ladder is not None:
-        ladder.resolve(amp)
+    if rules is not None:
+        amp = AmpRuntime("auto", dtype="float16", device_type="cpu", ladder=ladder, ladder_rules=rules)
+    else:
+        amp = AmpRuntime(opt_level, dtype="float16", loss_scale=loss_scale, device_type="cpu")
     amp.prepare(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     amp.connect([optimizer], named_params(model))
-    objects = lambda: {"model": model, "optimizer": optimizer}  # noqa: E731
     for _ in range(steps):
-        if ladder is not None:
-            ladder.before_step(amp, objects)
         with amp.forward_context():
             out = model(x)
         with amp.backward_context():
             amp.scale_loss(model.loss(out, y)).backward()
         amp.step(optimizer)
         optimizer.zero_grad()
-        if ladder is not None:
-            ladder.after_step(amp, objects)
     amp.release()  # O2's op policy unregistered: nothing held after the run
     return model, amp
 
 
 @pytest.mark.parametrize("net_cls, working, moves", [(GainSum, FP16_LADDER[1], 1), (BigGradNet, FP16_LADDER[2], 2)])
 def test_auto_reaches_the_working_rung_of_the_manual_ladder(flag_timing, net_cls, working, moves):
-    ladder = AmpLadder(rules=LadderRules(nonfinite_in_a_row=3, snapshot_every=2))
     with pytest.warns(UserWarning) as record:
-        auto, amp = _train(net_cls, 24, ladder=ladder)
+        auto, amp = _train(net_cls, 24, rules=LadderRules(nonfinite_in_a_row=3, snapshot_every=2))
+    ladder = amp.ladder
     moved = [str(w.message) for w in record if "moved from rung" in str(w.message)]
     assert len(moved) == moves and ladder.changes == moves and ladder.rung == working
     assert "nonfinite_in_a_row" in moved[-1] and f"to rung {moves} ({working})" in moved[-1]
@@ -314,10 +311,10 @@ def test_auto_reaches_the_working_rung_of_the_manual_ladder(flag_timing, net_cls
 
 
 def test_a_run_that_never_diverges_is_the_plain_first_rung_bit_for_bit(flag_timing):
-    ladder = AmpLadder(rules=LadderRules(snapshot_every=3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        auto, amp = _train(lambda: GainSum(gain=1.0), 12, ladder=ladder)
+        auto, amp = _train(lambda: GainSum(gain=1.0), 12, rules=LadderRules(snapshot_every=3))
+    ladder = amp.ladder
     plain, _ = _train(lambda: GainSum(gain=1.0), 12, "O2", 128.0)
     assert ladder.changes == 0 and amp.properties.opt_level == "O2"
     for (name, got), want in zip(auto.state_dict().items(), plain.state_dict().values()):
@@ -326,9 +323,9 @@ def test_a_run_that_never_diverges_is_the_plain_first_rung_bit_for_bit(flag_timi
 
 
 def test_on_the_last_rung_a_rule_warns_once_and_the_gate_keeps_one_watcher():
-    ladder = AmpLadder([("O1", 128.0)], LadderRules(nonfinite_in_a_row=2))
-    with pytest.warns(UserWarning) as record:
-        _, amp = _train(BigGradNet, 12, ladder=ladder)  # every step overflows at O1/128: the rule fires 6 times
+    with pytest.warns(UserWarning) as record:  # every step overflows at O1/128: the rule fires 6 times
+        _, amp = _train(BigGradNet, 12, ladder=[("O1", 128.0)], rules=LadderRules(nonfinite_in_a_row=2))
+    ladder = amp.ladder
     last = [str(w.message) for w in record if "the run is on the last rung" in str(w.message)]
     assert len(last) == 1 and ladder.changes == 0 and ladder.rung == ("O1", 128.0)
     assert len(amp.engine.states[0].gate.watchers) == 1
