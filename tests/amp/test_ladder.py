@@ -344,3 +344,40 @@ def test_change_level_keeps_the_parameters_and_refuses_o3():
     assert amp.properties.opt_level == "O1" and not amp.holds_policy and amp.loss_scale == 2.0**16
     assert all(a is b and a.dtype == torch.float32 for a, b in zip(model.parameters(), params))
     amp.release()
+
+
+def test_the_rules_books_round_trip_mid_streak():
+    """What a RungWatch saw (a streak under way, the window, the losses, a fired rule) comes back from its state:
+    a run resumed mid-streak fires on the step the straight run fires."""
+    rules = LadderRules(nonfinite_in_a_row=3, floor_patience=4, skip_window=4, max_skip_rate=0.9, spike_history=3)
+    watch = RungWatch(rules)
+    for state, skipped in enumerate([False, True, False, True, True]):
+        watch.step(skipped, 1.0 if skipped else 2.0, 1.0, state)
+    for state, loss in enumerate([1.0, 1.1, 0.9, 50.0]):
+        watch.loss(loss, state)
+    copy = RungWatch(rules)
+    copy.load_state_dict(watch.state_dict())
+    assert copy.state_dict() == watch.state_dict() and copy.calm is False and copy.quiet_at(3) is False
+    assert watch.verdict() is None and watch.in_a_row == 2  # two non-finite steps in a row so far
+    for w in (watch, copy):
+        w.step(True, 1.0, 1.0, 5)
+    assert copy.verdict() == watch.verdict() is not None and copy.verdict().startswith("nonfinite_in_a_row")
+    assert copy.state_dict() == watch.state_dict()
+
+
+@pytest.mark.parametrize("directory", [False, True], ids=["memory", "files"])
+def test_the_rollback_point_and_its_candidate_round_trip(tmp_path, directory):
+    model = torch.nn.Linear(3, 2)
+    store = SnapshotStore(tmp_path / "a" if directory else None)
+    store.take(4, {"model": model}, good=True)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    store.take(8, {"model": model})
+    state = store.state_dict()
+    copy = SnapshotStore(tmp_path / "b" if directory else None)
+    copy.load_state_dict(state)
+    assert (copy.good.step, copy.candidate.step) == (4, 8)
+    assert torch.equal(copy.state_dict()["candidate"]["states"]["model"]["weight"], model.weight)
+    copy.promote()
+    restored = torch.nn.Linear(3, 2)
+    assert copy.restore({"model": restored}) == 8 and torch.equal(restored.weight, model.weight)
