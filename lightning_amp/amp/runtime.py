@@ -373,9 +373,12 @@ class AmpRuntime:
         for state in self.engine.states:
             state.gate.poll(wait=True)
         names = list(self.engine.last_nonfinite_params)
+        skipped = [state.skipped for state in self.engine.states]  # the run's, never rolled back
         if move.rollback_to is not None:
-            self.ladder.rollback(self.rollback_objects())
+            self.ladder.rollback(self.rollback_objects())  # (Fabric's optimizers carry their scaler in their state)
         self._go_to_rung(move.rung)
+        for state, count in zip(self.engine.states, skipped):
+            state.skipped = count
         if move.rollback_to is not None:
             for state in self.engine.states:
                 state.gate.last_skipped = True

@@ -105,6 +105,7 @@ def test_fabric_two_moves_with_a_resume_between_them_end_as_the_straight_run(tmp
     ladder = plugin.ladder
     assert (ladder.changes, ladder.moved_at, ladder.snapshot_step, ladder.steps) == (2, 23, 16, TWO_MOVES_STEPS)
     assert (ladder.snapshots.good.step, ladder.snapshots.candidate.step) == (24, 28)
+    assert plugin.skipped_steps == 6  # O2's 3 before the first move (a rollback rewinds no count), BLOWUP's 3
     first = FabricAmpAutoPrecision(**TWO_MOVES)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[first])
     with pytest.warns(UserWarning, match="moved from rung 0"):
