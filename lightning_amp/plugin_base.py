@@ -6,7 +6,8 @@ their names, and the per-level classes made from :data:`~lightning_amp.amp.level
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+import weakref
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -14,6 +15,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_amp._keywords import checks_keywords
 from lightning_amp.amp.ladder.ladder import AmpLadder
 from lightning_amp.amp.ladder.rules import LadderRules
+from lightning_amp.amp import process_state
 from lightning_amp.amp.levels import (LEVEL_SUMMARIES, OPT_LEVELS, AmpProperties, DtypeName, NormPolicyName,
                                       OptLevelName, OutputDtypeName)
 from lightning_amp.amp.runtime import AmpRuntime, is_auto
@@ -22,6 +24,16 @@ from lightning_amp.amp.scaler import SCALER_DEFAULTS, LossScaler
 Kind = Literal["trainer", "fabric"]
 _STATE_VERSION = 1
 AUTO = "auto"
+
+#: the process-wide changes of Lightning the plugins hold (:mod:`~lightning_amp.amp.process_state`), made by
+#: :mod:`lightning_amp.plugin_kinds` and :mod:`lightning_amp.trainer.precision`
+CONNECTORS_CHANGE = "Lightning's Fabric and Trainer connector constructors (a plugin given to the other Lightning refused)"
+THROUGHPUT_CHANGE = "Lightning's ThroughputMonitor dtype lookup (our Trainer plugins' half dtype)"
+
+def _give_back(changes: List[Any]) -> None:
+    for change in changes:
+        change.release()
+
 
 def plugin_name(kind: Kind, opt_level: Optional[str] = None) -> str:
     """The public class name of the ``kind`` plugin of ``opt_level`` (None: the one that takes ``opt_level``):
@@ -123,6 +135,7 @@ class AmpPluginBase:
         self.amp = AmpRuntime(opt_level, dtype, loss_scale, keep_batchnorm_fp32, master_weights, cast_model_outputs,
                               half_buffers, norm_policy, scaler_kwargs, combine_grad, fused_update, warn=rank_zero_warn,
                               ladder=ladder, ladder_rules=ladder_rules, warn_on_fp32_stream=warn_on_fp32_stream)
+        self.hold_lightning_changes()
 
     @property
     def ladder(self) -> Optional[AmpLadder]:
@@ -203,10 +216,48 @@ class AmpPluginBase:
         self.amp.load_state_dict(state_dict)
 
     def teardown(self) -> None:
-        """End of a run: the model handed back as a plain module (:meth:`AmpRuntime.release`); the next
-        setup prepares it again."""
+        """End of a run: the model handed back as a plain module (:meth:`AmpRuntime.release`), the changes of
+        Lightning given back (:meth:`hold_lightning_changes`); the next setup prepares it again."""
         self.amp.release()
+        self.give_back_lightning_changes()
         super().teardown()  # type: ignore[misc]
+
+    # ---- the changes of Lightning a plugin holds ---------------------------------------
+
+    #: names of the process-wide changes (:data:`CONNECTORS_CHANGE`, ...) a plugin of this class holds
+    lightning_changes: Tuple[str, ...] = (CONNECTORS_CHANGE,)
+
+    def hold_lightning_changes(self) -> None:
+        """Hold :attr:`lightning_changes` (:mod:`~lightning_amp.amp.process_state`: the first holder wraps Lightning's
+        objects, the last one puts them back): from the plugin's construction, and again when it is set up after a
+        teardown or unpickled in a spawned process, until :meth:`teardown` or until the plugin is collected."""
+        if getattr(self, "_lightning_hold", None) is not None and self._lightning_hold.alive:
+            return
+        changes = [process_state.CHANGES[name] for name in self.lightning_changes]
+        for change in changes:
+            change.acquire()
+        self._lightning_hold = weakref.finalize(self, _give_back, changes)
+
+    def given_to_lightning(self, connector: Any) -> None:
+        """Lightning built the connector of a Trainer or Fabric given this plugin (:mod:`lightning_amp.plugin_kinds`):
+        nothing here; Fabric's plugin checks the strategy."""
+
+    def give_back_lightning_changes(self) -> None:
+        hold = getattr(self, "_lightning_hold", None)
+        if hold is not None:
+            hold()  # once: a finalizer runs at most once
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        hold = state.pop("_lightning_hold", None)
+        state["_lightning_held"] = hold is not None and hold.alive
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        held = state.pop("_lightning_held", False)
+        self.__dict__.update(state)
+        if held:
+            self.hold_lightning_changes()
 
     def __repr__(self) -> str:
         """The options as asked: ``opt_level='auto'`` with the rung the run is on now, else the level's loss scale."""

@@ -80,7 +80,8 @@ def test_amp_modules_import_no_circle():
         assert found is None, f"import circle in amp/: {' -> '.join(found)}"
 
 
-_LADDER_SEQUENCING = {"before_step", "after_step", "move", "attach", "resolve", "load_state_dict", "state_dict"}
+_LADDER_SEQUENCING = {"before_step", "after_step", "rollback", "moved", "landed", "check_rungs", "load_state_dict",
+                      "state_dict"}
 
 
 def test_nothing_outside_amp_reaches_past_the_runtime_into_its_engine_or_ladder():
@@ -109,3 +110,27 @@ def test_the_bottom_modules_import_nothing_of_the_package_torch_or_lightning():
         imports = _imports(root / f"{module.split('.')[1]}.py")
         up = [m for m in imports if m.split(".")[0] in ("lightning_amp", "torch", "lightning", "pytorch_lightning")]
         assert not up, f"{module} imports {up}"
+
+
+#: what amp/ladder/ may import of the package: itself, the levels and the keyword checks (no runtime, engine, step)
+_LADDER_MAY_IMPORT = ("lightning_amp.amp.ladder", "lightning_amp.amp.levels", "lightning_amp._keywords")
+#: the runtime's and the engine's members a client of theirs would reach for
+_RUNTIME_MEMBERS = {"engine", "change_level", "scalers", "gate", "watchers", "last_skipped", "request",
+                    "properties", "rollback_objects", "rollback_extras", "last_nonfinite_params", "poll"}
+
+
+def test_the_ladder_is_a_client_of_the_runtime():
+    """amp/ladder/ decides from what it is told and returns decisions (docs/architecture.md): it imports nothing of the
+    runtime, the engine or the step, takes no ``runtime``/``engine`` argument and reads none of their members, so it
+    can keep no reference to them; the runtime applies its decisions."""
+    offending = []
+    for path in sorted((_AMP / "ladder").rglob("*.py")):
+        where = path.relative_to(_AMP)
+        offending += [f"{where}: imports {m}" for m in _imports(path)
+                      if m.startswith("lightning_amp") and not m.startswith(_LADDER_MAY_IMPORT)]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arg) and node.arg in ("runtime", "engine", "amp"):
+                offending.append(f"{where}:{node.lineno} takes `{node.arg}`")
+            elif isinstance(node, ast.Attribute) and node.attr in _RUNTIME_MEMBERS:
+                offending.append(f"{where}:{node.lineno} reads .{node.attr}")
+    assert offending == []

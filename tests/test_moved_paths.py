@@ -8,16 +8,63 @@ import warnings
 import pytest
 
 import lightning_amp
+from lightning_amp import strategy_base
 from lightning_amp._moved import MOVED
+from lightning_amp.amp.ladder import rules as ladder_rules, snapshot as ladder_snapshot
+from lightning_amp.amp.o2 import policy as o2_policy
+from lightning_amp.trainer import precision as trainer_precision, strategy as trainer_strategy
 
 
-@pytest.mark.parametrize("old,new", sorted(MOVED.items()))
-def test_an_old_path_warns_and_is_the_new_module(old, new, monkeypatch):
+#: each old path -> the module it must be (imported here by its new path, not read from MOVED) and names that
+#: module defines: an old path aliased to the wrong module, or MOVED naming the wrong target, fails
+OLD_PATHS = {
+    "lightning_amp.precision": (trainer_precision, ("AmpPrecision", "AmpO2Precision", "AmpO2Plugin", "main_params")),
+    "lightning_amp.parallel.strategy": (trainer_strategy, ("TensorParallelStrategy",)),
+    "lightning_amp.parallel.strategy_mixin": (strategy_base, ("TensorParallelStrategyMixin", "conversion_report")),
+    "lightning_amp.amp.ladder_rules": (ladder_rules, ("LadderRules", "RungWatch", "check_ladder", "FP16_LADDER")),
+    "lightning_amp.amp.ladder_snapshot": (ladder_snapshot, ("SnapshotStore", "Snapshot", "to_host")),
+    "lightning_amp.amp.o2_policy": (o2_policy, ("hold", "held", "installs", "forward", "table")),
+}
+
+
+def test_every_moved_path_is_checked_here():
+    assert sorted(OLD_PATHS) == sorted(MOVED)
+
+
+@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+def test_an_old_path_warns_and_is_the_new_module(old, monkeypatch):
+    module, names = OLD_PATHS[old]
     monkeypatch.delitem(sys.modules, old, raising=False)  # as in a fresh process: the old path not yet imported
-    with pytest.warns(DeprecationWarning, match=rf"{old} moved to {new}; the old import path works through release 0.2"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
+    with pytest.warns(DeprecationWarning,
+                      match=rf"{old} moved to {module.__name__}; the old import path works through release 0.2"):
+        imported = importlib.import_module(old)
+    assert imported is module and imported.__name__ == module.__name__
     assert sys.modules[old] is module
+    assert [name for name in names if getattr(imported, name, None) is not vars(module).get(name, "missing")] == []
+
+
+def test_our_deprecation_warnings_are_errors_in_the_test_settings(monkeypatch):
+    """pyproject's filterwarnings: a DeprecationWarning of ours (an old path imported anywhere, by the package too)
+    fails the test that meets it, where other packages' are ignored."""
+    monkeypatch.delitem(sys.modules, "lightning_amp.amp.ladder_rules", raising=False)
+    with pytest.raises(DeprecationWarning, match="lightning_amp.amp.ladder_rules moved to"):
+        importlib.import_module("lightning_amp.amp.ladder_rules")
+    with pytest.raises(DeprecationWarning, match="torch's deprecation met in our code"):  # attributed to a module of ours
+        warnings.warn_explicit("torch's deprecation met in our code", DeprecationWarning, "step.py", 1,
+                               module="lightning_amp.amp.step")
+    warnings.warn("another package's deprecation", DeprecationWarning)  # ignored: no error
+
+
+def test_process_state_reports_without_an_old_path(monkeypatch):
+    """``process_state.active()`` imports every owner of a change by its new path (it imported ``amp.o2_policy``)."""
+    from lightning_amp.amp import process_state
+
+    for old in MOVED:
+        monkeypatch.delitem(sys.modules, old, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        process_state.active()
+    assert [old for old in MOVED if old in sys.modules] == []
 
 
 def test_the_old_names_are_the_same_objects():

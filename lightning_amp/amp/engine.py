@@ -22,8 +22,7 @@ from torch import Tensor
 
 from lightning_amp.amp.param_views import optimizer_grads, param_name
 from lightning_amp.amp.scaler import LossScaler
-from lightning_amp.amp.scaling_protocol import unscales_in_step
-from lightning_amp.amp.step import OptimizerStep, SkipReport, agree
+from lightning_amp.amp.step import OptimizerStep, SkipReport
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +77,12 @@ class AmpEngine:
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
         if self._pending_state is not None and self._states:
-            self.load_scaler_states(self._pending_state)
+            self._check_scaler_count(self._pending_state["loss_scalers"], len(self._states))
             self._pending_state = None
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
-        """Connect one more optimizer: a scaler (restored from a checkpoint when one is pending) and its step."""
+        """Connect one more optimizer: a scaler (the checkpoint's, and its count of skipped steps, when one was loaded
+        before the optimizers connected) and its step."""
         index = len(self._states)
         self._check_optimizer(index, optimizer)
         self._warn_on_vanishing_eps(index, optimizer)
@@ -90,25 +90,17 @@ class AmpEngine:
             self._scalers.append(self._new_scaler())
         state = self._new_state(optimizer, self._scalers[index], self.combine_grad)
         self._states.append(state)
+        skipped = (self._pending_state or {}).get("skipped_per_optimizer", [])
+        if index < len(skipped):
+            state.skipped = int(skipped[index])
+            self._skipped_before -= state.skipped  # counted in the saved total already
         return state
 
     def step(self, optimizer: torch.optim.Optimizer, after_unscale: Callable[[], None], grads_read: bool,
              **step_kwargs: Any) -> None:
-        """One optimizer step once the backward(s) ran: settle deferred scheduler calls, unscale the grads,
-        agree on overflow across ranks, ``after_unscale()`` (hooks, clipping), then step or skip on the device.
-
-        ``grads_read``: ``after_unscale`` may read the grads (a user hook, a callback, clipping); they are
-        then always unscaled first. Only when nothing reads them and the optimizer unscales in its own
-        kernel (the ``protocol`` driver: FusedAdam & co., torch ``fused=True``) are they merely checked
-        and handed over still scaled, saving a write pass over the grads."""
-        state = self.state_of(optimizer)
-        state.gate.settle_deferred()  # deferred scheduler calls set the lr read below
-        factor = state.grad_factor
-        in_kernel = (not grads_read and unscales_in_step(state.optimizer) and state.driver == "protocol"
-                     and factor is not None and not (isinstance(factor, float) and factor == 1.0))
-        found_inf = agree(state.inspect() if in_kernel else state.unscale())
-        after_unscale()
-        state.apply(found_inf, in_kernel, **step_kwargs)
+        """One optimizer step once the backward(s) ran: :meth:`OptimizerStep.step` of ``optimizer``'s step (settle,
+        unscale or only check, agree across ranks, ``after_unscale()``, step or skip on the device)."""
+        self.state_of(optimizer).step(after_unscale, grads_read, **step_kwargs)
 
     def restart(self) -> None:
         """After a change of level: every optimizer gets a fresh scaler at the level's scale and a fresh step (its
@@ -151,11 +143,18 @@ class AmpEngine:
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Resume the scalers and skipped-step counts. Before any optimizer is connected (Fabric connects each at its
+        first step) the scalers are made now, so the backwards before that run at the saved scale, and each optimizer
+        gets its own as it connects."""
         self._skipped_before = int(state_dict.get("skipped_steps", 0))
         if self._states:
             self.load_scaler_states(state_dict)
-        else:
-            self._pending_state = state_dict  # applied when connect() creates the scalers
+            return
+        self._scalers = []
+        for saved in state_dict["loss_scalers"]:
+            self._scalers.append(self._new_scaler())
+            self._scalers[-1].load_state_dict(saved)
+        self._pending_state = state_dict
 
     def _warn_on_vanishing_eps(self, index: int, optimizer: torch.optim.Optimizer) -> None:
         """A half param stepped directly (no master) with an ``eps`` that is 0 in its dtype divides by zero."""
@@ -216,9 +215,11 @@ class AmpEngine:
         """The scale of the next backward: a float when static, else a device tensor (no host read). With a
         ``limit`` the scalers of this backward are capped at it first (:meth:`LossScaler.cap`). Grads held
         from earlier backwards are re-based onto it."""
-        if not self._states:
-            self._last_scale = 1.0
-            return 1.0
+        if not self._states:  # no optimizer connected yet: a resumed scale, or 1
+            first = self._scalers[0] if self._scalers else None
+            scale = 1.0 if first is None else first.static_scale if first.static_scale is not None else first.scale_tensor
+            self._last_scale = scale
+            return scale
         candidates = self._states
         if len(candidates) > 1:
             candidates = [s for s in self._states if s.requires_grad()] or self._states
@@ -253,15 +254,19 @@ class AmpEngine:
                 f"(optimizer {index}, loss scale {report.loss_scale}); non-finite grads in: {shown or 'another rank'}"
             )
 
-    def load_scaler_states(self, state_dict: Dict[str, Any]) -> None:
-        saved = state_dict["loss_scalers"]
-        if len(saved) != len(self._scalers):  # restoring part of it would make the resume inexact
+    @staticmethod
+    def _check_scaler_count(saved: List[Any], count: int) -> None:
+        if len(saved) != count:  # restoring part of it would make the resume inexact
             raise ValueError(
                 f"lightning_amp: the checkpoint holds the loss scalers of {len(saved)} optimizer(s) but this run has "
-                f"{len(self._scalers)}; its scaler state belongs to another set of optimizers and cannot be resumed "
+                f"{count}; its scaler state belongs to another set of optimizers and cannot be resumed "
                 "exactly. Resume with the optimizers the checkpoint was saved with, or delete the entry the precision "
                 "plugin saved under its class name from the checkpoint to start the loss scalers afresh."
             )
+
+    def load_scaler_states(self, state_dict: Dict[str, Any]) -> None:
+        saved = state_dict["loss_scalers"]
+        self._check_scaler_count(saved, len(self._scalers))
         for scaler, scaler_state in zip(self._scalers, saved):
             scaler.load_state_dict(scaler_state)
         for state, skipped in zip(self._states, state_dict.get("skipped_per_optimizer", [])):

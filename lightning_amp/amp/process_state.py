@@ -7,7 +7,9 @@ under one lock), named, and listed in :data:`CHANGES`, so :func:`active` can say
 ``{"torch functions patched by the cast lists": 1}`` inside an O1 forward and ``{}`` after a run. The
 modules that own a mechanism give it its apply and undo functions (:mod:`~lightning_amp.amp.casts`,
 :mod:`~lightning_amp.amp.function_backward`, :mod:`~lightning_amp.amp.o2.policy`,
-:mod:`~lightning_amp.amp.recompute`); the counting, the locking and the report live here only.
+:mod:`~lightning_amp.amp.recompute`; above ``amp/``, the Lightning glue registers the Lightning objects our plugins
+wrap while they are about: ``lightning_amp.plugin_kinds`` and ``lightning_amp.trainer.precision``, imported by
+``import lightning_amp`` before this module is); the counting, the locking and the report live here only.
 
 docs/architecture.md ("Process-wide state") lists each change, its fence and the test that it is gone after
 a run; ``tests/amp/test_process_state.py`` holds that table and :data:`CHANGES` to each other.
@@ -88,7 +90,7 @@ class CountedElsewhere:
 #: every process-wide change, by name (filled as the owning modules are imported: :func:`active` imports them)
 CHANGES: Dict[str, Any] = {}
 
-_OWNERS = ("casts", "function_backward", "module_cast", "o2_policy", "recompute")
+_OWNERS = ("casts", "function_backward", "module_cast", "o2.policy", "recompute")
 
 
 def active(name: Optional[str] = None) -> Dict[str, int]:

@@ -46,7 +46,7 @@ from torch.nn import Module
 from lightning_amp.amp import forward as amp_forward
 from lightning_amp.amp.engine import AmpEngine
 from lightning_amp.amp.fsdp2 import fsdp2_half_compute_, is_fsdp2
-from lightning_amp.amp.ladder.ladder import AmpLadder
+from lightning_amp.amp.ladder.ladder import AmpLadder, Move
 from lightning_amp.amp.ladder.rules import LadderRules
 from lightning_amp.amp.levels import AmpProperties, LossScaleSpec, resolve_properties
 from lightning_amp.amp.module_cast import (cast_floating, cast_module_, cast_outputs_hook, default_dtype,
@@ -142,8 +142,9 @@ class AmpRuntime:
         self._policy: Optional[PolicyHold] = None  # O2's op policy held from prepare() to release()
         self._policy_per_forward = False
         self._fsdp2_checked = False  # see _half_params_by_fsdp2
+        self._watched_gate: Any = None  # the gate whose flags go to the ladder (the first optimizer's)
         if self.ladder is not None:
-            self.ladder.resolve(self)  # the rungs checked against the options, the level on the first rung
+            self._check_ladder()
 
     # ---- the level ---------------------------------------------------------------------
 
@@ -159,7 +160,7 @@ class AmpRuntime:
             self.device_type = device_type
             self.properties = self._resolve(device_type)
             if self.ladder is not None:
-                self.ladder.resolve(self)
+                self._check_ladder()
 
     def new_scaler(self) -> LossScaler:
         """A fresh LossScaler for the level (one per optimizer)."""
@@ -329,7 +330,8 @@ class AmpRuntime:
         the step (the Trainer); :meth:`step` calls it too (idempotent). With the ladder and the first optimizer,
         its rollback points (:meth:`AmpLadder.before_step`)."""
         if self._laddered(optimizer):
-            self.ladder.before_step(self, self.rollback_objects)
+            self._watch_first_gate()
+            self.ladder.before_step(self.rollback_objects, self._ladder_device())
 
     def step(self, optimizer: torch.optim.Optimizer, after_unscale: Callable[[], None] = lambda: None,
              grads_read: bool = False, after_step: Callable[[], None] = lambda: None, **step_kwargs: Any) -> None:
@@ -339,11 +341,13 @@ class AmpRuntime:
         that (a move rolls back :meth:`rollback_objects` and changes the level)."""
         laddered = self._laddered(optimizer)
         if laddered:
-            self.ladder.before_step(self, self.rollback_objects)
+            self.begin_step(optimizer)
         self.engine.step(optimizer, after_unscale, grads_read, **step_kwargs)
         after_step()
         if laddered:
-            self.ladder.after_step(self, self.rollback_objects)
+            move = self.ladder.after_step(self._ladder_device())
+            if move is not None:
+                self._apply_move(move)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s grads by their loss scale now (idempotent until the next backward)."""
@@ -355,6 +359,59 @@ class AmpRuntime:
         """Whether ``optimizer``'s steps drive the ladder: the first optimizer connected (the others' steps are
         rolled back with it)."""
         return self.ladder is not None and self.engine.state_of(optimizer) is self.engine.states[0]
+
+    def _check_ladder(self) -> None:
+        """The ladder's rungs checked against the options and the device (ValueError naming the rung), the level
+        that of its current rung."""
+        def props_of(rung: Any) -> AmpProperties:
+            return resolve_properties(**{**self.request, "opt_level": rung.opt_level, "loss_scale": rung.loss_scale},
+                                      device_type=self.device_type)
+
+        self.ladder.check_rungs(self.properties.dtype, props_of)
+        self._go_to_rung(self.ladder.index)
+
+    def _go_to_rung(self, index: int) -> None:
+        rung = self.ladder.rungs[index]
+        if (self.properties.opt_level, self.request["loss_scale"]) != (rung.opt_level, rung.loss_scale):
+            self.change_level(rung.opt_level, rung.loss_scale)
+
+    def _apply_move(self, move: Move) -> None:
+        """A decision of the ladder applied, the one place that does it, in this order: the flags still on their way
+        settle on the old state (deferred scheduler calls included); at a step, the rollback point restored; the
+        level of the new rung (fresh scalers: at a resume the checkpoint's are loaded after this); the step that
+        moved marked skipped (an LR scheduler call after it is void); the ladder told."""
+        for state in self.engine.states:
+            state.gate.poll(wait=True)
+        names = list(self.engine.last_nonfinite_params)
+        skipped = [state.skipped for state in self.engine.states]  # the run's, never rolled back
+        if move.rollback_to is not None:
+            self.ladder.rollback(self.rollback_objects())  # (Fabric's optimizers carry their scaler in their state)
+        self._go_to_rung(move.rung)
+        for state, count in zip(self.engine.states, skipped):
+            state.skipped = count
+        if move.rollback_to is not None:
+            for state in self.engine.states:
+                state.gate.last_skipped = True
+            self.ladder.moved(move, names)
+
+    def _watch_first_gate(self) -> None:
+        """The first optimizer's step flags go to the ladder as they land (its gate is new after each change of
+        level: watched once)."""
+        state = self.engine.states[0]
+        if state.gate is self._watched_gate:
+            return
+        ladder, scaler = self.ladder, state.scaler
+        floor = scaler.min_loss_scale if scaler.dynamic else None
+
+        def landed(skipped: bool, payload: Optional[Any]) -> None:
+            ladder.landed(skipped, float(payload[0]) if payload is not None else scaler.scale, floor)
+
+        state.gate.watchers.append(landed)
+        self._watched_gate = state.gate
+
+    def _ladder_device(self) -> torch.device:
+        """Where the ranks agree on the ladder's verdicts: where the first loss scale lives."""
+        return self.engine.states[0].scaler.device if self.engine.states else torch.device("cpu")
 
     def rollback_objects(self) -> Dict[str, Any]:
         """What a ladder's rollback restores: ``"model"`` (the prepared model), ``"optimizer_0"``, ... (every
@@ -441,5 +498,5 @@ class AmpRuntime:
         """Resume from :meth:`state_dict`: the ladder's rung first (the scalers belong to it), then the scalers
         (applied when the optimizers connect, if they have not yet)."""
         if self.ladder is not None and "ladder" in state_dict:
-            self.ladder.load_state_dict(state_dict["ladder"], self)
+            self._apply_move(self.ladder.load_state_dict(state_dict["ladder"]))
         self.engine.load_state_dict(dict(state_dict))

@@ -176,6 +176,24 @@ class OptimizerStep:
 
     # ---- the step ---------------------------------------------------------------------
 
+    def step(self, after_unscale: Callable[[], None], grads_read: bool, **step_kwargs: Any) -> None:
+        """One optimizer step once the backward(s) ran, read top to bottom: settle the deferred scheduler calls (they
+        set the ``lr`` the kernels read), unscale the grads (or, when nothing reads them and the optimizer unscales
+        in its own kernel, only check them), agree on overflow across ranks, ``after_unscale()`` (hooks, clipping),
+        then :meth:`apply`: step or skip on the device.
+
+        ``grads_read``: ``after_unscale`` may read the grads (a user hook, a callback, clipping); they are then always
+        unscaled first. Only when nothing reads them and the optimizer unscales in its own kernel (the ``protocol``
+        driver: FusedAdam & co., torch ``fused=True``) are they merely checked and handed over still scaled, saving a
+        write pass over the grads."""
+        self.gate.settle_deferred()
+        factor = self.grad_factor
+        in_kernel = (not grads_read and self.driver == "protocol" and factor is not None
+                     and not (isinstance(factor, float) and factor == 1.0))
+        found_inf = agree(self.inspect() if in_kernel else self.unscale())
+        after_unscale()
+        self.apply(found_inf, in_kernel, **step_kwargs)
+
     def _state_incomplete(self) -> bool:
         """A protocol optimizer that is not ours may create state on a skipped first step."""
         if creates_state_only_on_clean_steps(self.optimizer):

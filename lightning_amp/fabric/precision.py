@@ -23,8 +23,9 @@
   ``state_dict()`` carries its loss scaler (``param_groups[0]["lightning_amp"]``), so
   ``fabric.save(path, {"model": model, "optimizer": optimizer})`` / ``fabric.load`` resume exactly.
 * Strategies: under ``strategy="tp_fused"`` (:mod:`lightning_amp.fabric.strategy`) the strategy sets
-  ``prepared_by_strategy`` and calls :meth:`FabricAmpPrecision.prepare` after converting the model's layers; under DeepSpeed, ``fabric.setup`` raises TypeError before anything
-  is cast (:mod:`lightning_amp.unsupported`).
+  ``prepared_by_strategy`` and calls :meth:`FabricAmpPrecision.prepare` after converting the model's layers; under
+  DeepSpeed, ``Fabric(...)`` raises TypeError when it is built (:mod:`lightning_amp.unsupported`, checked where
+  :mod:`lightning_amp.plugin_kinds` sees the strategy Fabric made).
 * ``opt_level="auto"`` (``FabricAmpAutoPrecision``): the ladder (:mod:`lightning_amp.amp.ladder`) snapshots
   before and decides after each step of the first optimizer; a rollback restores the model, the optimizers
   and what ``plugin.rollback_extras`` holds (LR schedulers: Fabric does not show them to the plugin). The
@@ -35,7 +36,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from typing import Any, Dict, Generator, Optional
 
@@ -90,10 +90,16 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
             name = plugin_name("trainer", self.fixed_opt_level)
             raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
                             f"lightning_amp.{name}(...): `Trainer(plugins=[{name}()])`.")
-        refuse_strategy(self, _calling_fabric_strategy())
+        self.hold_lightning_changes()
         if not self.prepared_by_strategy:
             self.prepare(module)
         return module
+
+    def given_to_lightning(self, connector: Any) -> None:
+        """``Fabric(...)`` built its connector with this plugin: a strategy it cannot run under (DeepSpeed; FSDP and
+        the like with "auto") is refused now, before ``fabric.setup`` casts anything (Fabric hands a precision plugin
+        no strategy later)."""
+        refuse_strategy(self, connector.strategy)
 
     def prepare(self, module: Module) -> Module:
         """Cast ``module`` in place for the level (:meth:`AmpRuntime.prepare`; O2's op policy is held per
@@ -190,23 +196,6 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
     def _restore(state: OptimizerStep, saved: Dict[str, Any]) -> None:
         state.scaler.load_state_dict(saved["scaler"])
         state.skipped = int(saved["skipped"])
-
-
-def _calling_fabric_strategy() -> Optional[Any]:
-    """The strategy of the ``Fabric`` whose ``setup``/``setup_module`` is calling ``convert_module``: Fabric
-    hands a precision plugin no reference to its strategy, and a DeepSpeed one must be refused before
-    anything is cast. None when not called from Fabric."""
-    from lightning.fabric import Fabric
-
-    frame = sys._getframe(2)
-    for _ in range(3):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Fabric):
-            return owner.strategy
-        frame = frame.f_back
-    return None
 
 
 level_classes(FabricAmpPrecision, globals())  # FabricAmpO0Precision .. FabricAmpO3Precision, FabricAmpAutoPrecision

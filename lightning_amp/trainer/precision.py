@@ -55,7 +55,9 @@ from lightning_amp.amp.engine import OVERFLOW_WARN_AFTER
 from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.param_views import optimizer_params
 from lightning_amp.amp.runtime import named_params
-from lightning_amp.plugin_base import AmpPluginBase, former_name, level_classes, plugin_name
+from lightning_amp.amp.process_state import ProcessChange
+from lightning_amp.plugin_base import (CONNECTORS_CHANGE, THROUGHPUT_CHANGE, AmpPluginBase, former_name, level_classes,
+                                       plugin_name)
 from lightning_amp.unsupported import refuse_strategy
 
 
@@ -80,6 +82,7 @@ class AmpPrecision(AmpPluginBase, Precision):
     """
 
     kind = "trainer"
+    lightning_changes = (CONNECTORS_CHANGE, THROUGHPUT_CHANGE)
 
     def convert_module(self, module: Module) -> Module:
         """Cast the model in place and hook its outputs (:meth:`AmpRuntime.prepare`); O2's op policy is
@@ -93,6 +96,7 @@ class AmpPrecision(AmpPluginBase, Precision):
                 f"`Fabric(plugins=[{fabric_name}()])`."
             )
         refuse_strategy(self, trainer.strategy)
+        self.hold_lightning_changes()
         self.amp.resolve_for(trainer.strategy.root_device.type)
         self.amp.prepare(module, fsdp2=isinstance(trainer.strategy, ModelParallelStrategy))
         if self.properties.cast_model and not self.properties.fp32_params:
@@ -246,26 +250,35 @@ _PLUGIN_NAMES = (plugin_name("trainer"), *(plugin_name("trainer", level) for lev
                  *(former_name("trainer", level) for level in _LEVELS))
 
 
-def _report_compute_dtype_to_throughput_monitor() -> None:
+def _wrap_throughput_monitor_lookup() -> Any:
     """Lightning's ``ThroughputMonitor`` reads the peak FLOP/s of the compute dtype it derives from the
     precision plugin through a fixed list of Lightning's own plugins, any other counting as fp32: the
     MFU it logged for O1-O3 was against the fp32 peak (an H100 SXM in Lightning's table: 67 TFLOP/s, 495
     with TF32 matmuls, against 989 for bf16). Extend its lookup by our plugins (their half dtype; fp32
-    at O0). Wrapped, not replaced: other plugins get Lightning's answer."""
+    at O0). Wrapped, not replaced: other plugins get Lightning's answer. What it was, for the undo."""
     from lightning.pytorch.callbacks import throughput_monitor
 
     lightnings = getattr(throughput_monitor, "_plugin_to_compute_dtype", None)
-    if lightnings is None or getattr(lightnings, "_lightning_amp", False):
-        return
+    if lightnings is None:
+        return None
 
     def compute_dtype(plugin: Any) -> torch.dtype:
         return plugin.properties.dtype if isinstance(plugin, AmpPrecision) else lightnings(plugin)
 
-    compute_dtype._lightning_amp = True  # type: ignore[attr-defined]
     throughput_monitor._plugin_to_compute_dtype = compute_dtype
+    return lightnings
 
 
-_report_compute_dtype_to_throughput_monitor()
+def _unwrap_throughput_monitor_lookup(lightnings: Any) -> None:
+    if lightnings is not None:
+        from lightning.pytorch.callbacks import throughput_monitor
+
+        throughput_monitor._plugin_to_compute_dtype = lightnings
+
+
+#: held by every Trainer plugin from its construction to its teardown (:meth:`AmpPluginBase.hold_lightning_changes`)
+WRAPPED_THROUGHPUT_LOOKUP = ProcessChange(THROUGHPUT_CHANGE, _wrap_throughput_monitor_lookup,
+                                          _unwrap_throughput_monitor_lookup)
 
 
 __all__ = ["AmpPrecision", "AmpAutoPrecision", "AmpO0Precision", "AmpO1Precision", "AmpO2Precision", "AmpO3Precision",

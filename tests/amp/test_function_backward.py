@@ -196,3 +196,38 @@ def test_another_thread_applying_a_function_meanwhile_gets_torchs_behaviour():
     assert all(enabled for enabled, _, grad_dtype in _Linear.seen if grad_dtype == BF16)
     assert not any(enabled for enabled, _, grad_dtype in _Linear.seen if grad_dtype == torch.float32)
     assert vars(torch.autograd.Function)["apply"] is not None and function_backward.depth() == 0
+
+
+def test_another_thread_running_its_own_autocast_keeps_it_in_its_functions_backward():
+    """The other thread runs a float16 autocast of its own (a ``16-mixed`` forward and backward) while O2's bfloat16
+    forward applies the same Function here: each backward runs under its own thread's autocast, never the other's."""
+    F16 = torch.float16
+    stop, errors = threading.Event(), []
+
+    def other_thread():
+        x, w = torch.randn(2, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        try:
+            while not stop.is_set():
+                with torch.autocast("cpu", dtype=F16):
+                    y = _Linear.apply(x.to(F16), w.to(F16))
+                    y.float().sum().backward()
+        except Exception as err:  # noqa: BLE001  (reported below)
+            errors.append(err)
+
+    _Linear.seen.clear()
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    try:
+        for _ in range(20):
+            with _o2_forward():
+                y = _Linear.apply(torch.randn(2, 4).to(BF16), torch.randn(3, 4, requires_grad=True).to(BF16))
+            y.float().sum().backward()
+    finally:
+        stop.set()
+        worker.join()
+    assert errors == []
+    ours = [(enabled, dtype) for enabled, dtype, grad_dtype in _Linear.seen if grad_dtype == BF16]
+    theirs = [(enabled, dtype) for enabled, dtype, grad_dtype in _Linear.seen if grad_dtype == F16]
+    assert len(ours) == 20 and theirs
+    assert set(ours) == {(True, BF16)} and set(theirs) == {(True, F16)}
+    assert function_backward.depth() == 0

@@ -40,9 +40,8 @@ def test_bad_ladder_is_a_value_error_naming_it(ladder, match):
 def test_bf16_rung_with_a_loss_scale_is_refused():
     with pytest.raises(ValueError, match=r"`ladder\[1\]`.*bfloat16 rung takes no loss scale"):
         check_ladder(["O2", ("O1", 128.0)], torch.bfloat16)
-    amp = AmpRuntime("O2", dtype="bfloat16", device_type="cpu")
     with pytest.raises(ValueError, match=r"bfloat16 rung takes no loss scale"):
-        AmpLadder([("O2", "dynamic")]).resolve(amp)
+        AmpRuntime("auto", dtype="bfloat16", device_type="cpu", ladder=[("O2", "dynamic")])
 
 
 @pytest.mark.parametrize("option, value", [
@@ -270,36 +269,34 @@ def test_a_snapshot_file_that_cannot_be_read_makes_restore_raise(tmp_path, damag
 # ---- moves in a plain PyTorch loop -----------------------------------------------------
 
 
-def _train(net_cls, steps, opt_level="O2", loss_scale=None, ladder=None):
+def _train(net_cls, steps, opt_level="O2", loss_scale=None, ladder=None, rules=None):
+    """A plain loop of ``steps`` steps: at ``opt_level``/``loss_scale``, or with ``rules`` under "auto" (``ladder``:
+    its rungs, None for the default)."""
     torch.manual_seed(0)
     model, (x, y) = net_cls(), full_batch()
-    amp = AmpRuntime(opt_level, dtype="float16", loss_scale=loss_scale, device_type="cpu")
-    if ladder is not None:
-        ladder.resolve(amp)
+    if rules is not None:
+        amp = AmpRuntime("auto", dtype="float16", device_type="cpu", ladder=ladder, ladder_rules=rules)
+    else:
+        amp = AmpRuntime(opt_level, dtype="float16", loss_scale=loss_scale, device_type="cpu")
     amp.prepare(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     amp.connect([optimizer], named_params(model))
-    objects = lambda: {"model": model, "optimizer": optimizer}  # noqa: E731
     for _ in range(steps):
-        if ladder is not None:
-            ladder.before_step(amp, objects)
         with amp.forward_context():
             out = model(x)
         with amp.backward_context():
             amp.scale_loss(model.loss(out, y)).backward()
         amp.step(optimizer)
         optimizer.zero_grad()
-        if ladder is not None:
-            ladder.after_step(amp, objects)
     amp.release()  # O2's op policy unregistered: nothing held after the run
     return model, amp
 
 
 @pytest.mark.parametrize("net_cls, working, moves", [(GainSum, FP16_LADDER[1], 1), (BigGradNet, FP16_LADDER[2], 2)])
 def test_auto_reaches_the_working_rung_of_the_manual_ladder(flag_timing, net_cls, working, moves):
-    ladder = AmpLadder(rules=LadderRules(nonfinite_in_a_row=3, snapshot_every=2))
     with pytest.warns(UserWarning) as record:
-        auto, amp = _train(net_cls, 24, ladder=ladder)
+        auto, amp = _train(net_cls, 24, rules=LadderRules(nonfinite_in_a_row=3, snapshot_every=2))
+    ladder = amp.ladder
     moved = [str(w.message) for w in record if "moved from rung" in str(w.message)]
     assert len(moved) == moves and ladder.changes == moves and ladder.rung == working
     assert "nonfinite_in_a_row" in moved[-1] and f"to rung {moves} ({working})" in moved[-1]
@@ -314,10 +311,10 @@ def test_auto_reaches_the_working_rung_of_the_manual_ladder(flag_timing, net_cls
 
 
 def test_a_run_that_never_diverges_is_the_plain_first_rung_bit_for_bit(flag_timing):
-    ladder = AmpLadder(rules=LadderRules(snapshot_every=3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        auto, amp = _train(lambda: GainSum(gain=1.0), 12, ladder=ladder)
+        auto, amp = _train(lambda: GainSum(gain=1.0), 12, rules=LadderRules(snapshot_every=3))
+    ladder = amp.ladder
     plain, _ = _train(lambda: GainSum(gain=1.0), 12, "O2", 128.0)
     assert ladder.changes == 0 and amp.properties.opt_level == "O2"
     for (name, got), want in zip(auto.state_dict().items(), plain.state_dict().values()):
@@ -326,9 +323,9 @@ def test_a_run_that_never_diverges_is_the_plain_first_rung_bit_for_bit(flag_timi
 
 
 def test_on_the_last_rung_a_rule_warns_once_and_the_gate_keeps_one_watcher():
-    ladder = AmpLadder([("O1", 128.0)], LadderRules(nonfinite_in_a_row=2))
-    with pytest.warns(UserWarning) as record:
-        _, amp = _train(BigGradNet, 12, ladder=ladder)  # every step overflows at O1/128: the rule fires 6 times
+    with pytest.warns(UserWarning) as record:  # every step overflows at O1/128: the rule fires 6 times
+        _, amp = _train(BigGradNet, 12, ladder=[("O1", 128.0)], rules=LadderRules(nonfinite_in_a_row=2))
+    ladder = amp.ladder
     last = [str(w.message) for w in record if "the run is on the last rung" in str(w.message)]
     assert len(last) == 1 and ladder.changes == 0 and ladder.rung == ("O1", 128.0)
     assert len(amp.engine.states[0].gate.watchers) == 1
@@ -347,3 +344,40 @@ def test_change_level_keeps_the_parameters_and_refuses_o3():
     assert amp.properties.opt_level == "O1" and not amp.holds_policy and amp.loss_scale == 2.0**16
     assert all(a is b and a.dtype == torch.float32 for a, b in zip(model.parameters(), params))
     amp.release()
+
+
+def test_the_rules_books_round_trip_mid_streak():
+    """What a RungWatch saw (a streak under way, the window, the losses, a fired rule) comes back from its state:
+    a run resumed mid-streak fires on the step the straight run fires."""
+    rules = LadderRules(nonfinite_in_a_row=3, floor_patience=4, skip_window=4, max_skip_rate=0.9, spike_history=3)
+    watch = RungWatch(rules)
+    for state, skipped in enumerate([False, True, False, True, True]):
+        watch.step(skipped, 1.0 if skipped else 2.0, 1.0, state)
+    for state, loss in enumerate([1.0, 1.1, 0.9, 50.0]):
+        watch.loss(loss, state)
+    copy = RungWatch(rules)
+    copy.load_state_dict(watch.state_dict())
+    assert copy.state_dict() == watch.state_dict() and copy.calm is False and copy.quiet_at(3) is False
+    assert watch.verdict() is None and watch.in_a_row == 2  # two non-finite steps in a row so far
+    for w in (watch, copy):
+        w.step(True, 1.0, 1.0, 5)
+    assert copy.verdict() == watch.verdict() is not None and copy.verdict().startswith("nonfinite_in_a_row")
+    assert copy.state_dict() == watch.state_dict()
+
+
+@pytest.mark.parametrize("directory", [False, True], ids=["memory", "files"])
+def test_the_rollback_point_and_its_candidate_round_trip(tmp_path, directory):
+    model = torch.nn.Linear(3, 2)
+    store = SnapshotStore(tmp_path / "a" if directory else None)
+    store.take(4, {"model": model}, good=True)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    store.take(8, {"model": model})
+    state = store.state_dict()
+    copy = SnapshotStore(tmp_path / "b" if directory else None)
+    copy.load_state_dict(state)
+    assert (copy.good.step, copy.candidate.step) == (4, 8)
+    assert torch.equal(copy.state_dict()["candidate"]["states"]["model"]["weight"], model.weight)
+    copy.promote()
+    restored = torch.nn.Linear(3, 2)
+    assert copy.restore({"model": restored}) == 8 and torch.equal(restored.weight, model.weight)

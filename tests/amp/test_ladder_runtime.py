@@ -87,3 +87,29 @@ def test_rungs_that_go_down_are_accepted():
     amp = AmpRuntime("auto", dtype="float16", device_type="cpu",
                      ladder=[("O2", 128.0), ("O2", 32.0), ("O2", "dynamic"), ("O1", "dynamic"), "O0"])
     assert [str(r) for r in amp.ladder.rungs] == ["O2/128.0", "O2/32.0", "O2/dynamic", "O1/dynamic", "O0"]
+
+
+def test_the_floor_rule_reads_the_dynamic_scales_floor_through_the_runtime():
+    """Every step overflows (an inf loss); the dynamic rung backs off from 4 to its floor 1, and two overflows there
+    move the run (floor_patience: the runtime hands the ladder the scale and its floor with each landed flag)."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    amp = AmpRuntime("auto", dtype="float16", device_type="cpu", ladder=[("O1", "dynamic"), "O0"],
+                     scaler_kwargs=dict(init_scale=4.0, min_loss_scale=1.0),
+                     ladder_rules=LadderRules(nonfinite_in_a_row=None, max_skip_rate=None, floor_patience=2,
+                                              spike_factor=None, snapshot_every=100))
+    amp.prepare(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    amp.connect([optimizer], {})
+    x, _ = full_batch()
+    with pytest.warns(UserWarning, match=r"floor_patience: 2 overflows in a row with the loss scale at its floor 1.0"):
+        for _ in range(6):
+            with amp.forward_context():
+                loss = model(x).float().sum() * float("inf")
+            with amp.backward_context():
+                amp.scale_loss(loss).backward()
+            amp.step(optimizer)
+            optimizer.zero_grad()
+    amp.release()
+    # the scale after each step: 2, 1 (at the floor: 1st overflow there), 1 (2nd): the rule fires at step 3
+    assert amp.ladder.changes == 1 and amp.ladder.moved_at == 3 and str(amp.ladder.rung) == "O0"

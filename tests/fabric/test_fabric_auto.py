@@ -7,7 +7,8 @@ from lightning.fabric import Fabric
 
 from lightning_amp import LadderRules
 from lightning_amp.fabric import FabricAmpAutoPrecision, FabricAmpPrecision, make_scheduler_skip_aware
-from support.ladder_nets import BigGradNet, GainSum, full_batch
+from support.ladder_nets import (RESUME_AT, TWO_MOVES, TWO_MOVES_STEPS, BigGradNet, GainSum, assert_same, books,
+                                 full_batch, loss_factor)
 
 RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2)
 
@@ -66,3 +67,56 @@ def test_fabric_auto_walks_down_to_the_dynamic_scale_and_trains(flag_timing):
     start = BigGradNet()
     with torch.no_grad():
         assert BigGradNet.loss(auto(x), y) < 0.9 * BigGradNet.loss(start(x), y)
+
+
+def _two_moves(fabric, plugin, steps, load=None):
+    """TWO_MOVES's run under Fabric for the run's ``steps`` (after ``load``-ing a checkpoint, if given): (its objects,
+    the scale each step ran at)."""
+    torch.manual_seed(0)
+    model, (x, y) = GainSum(), full_batch()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.97 ** step)
+    plugin.rollback_extras["scheduler"] = scheduler
+    model, optimizer = fabric.setup(model, optimizer)
+    make_scheduler_skip_aware(scheduler)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "amp": plugin}
+    if load is not None:
+        fabric.load(load, state)
+    scales = {}
+    for step in steps:
+        scales[step] = plugin.loss_scale
+        fabric.backward(GainSum.loss(model(x), y) * loss_factor(step))
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return state, scales
+
+
+def _everything(state):
+    return {"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict(),
+            "scheduler": state["scheduler"].state_dict(), "books": books(state["amp"].amp)}
+
+
+def test_fabric_two_moves_with_a_resume_between_them_end_as_the_straight_run(tmp_path):
+    plugin = FabricAmpAutoPrecision(**TWO_MOVES)
+    with pytest.warns(UserWarning, match="moved from rung 1"):
+        straight, scales = _two_moves(Fabric(accelerator="cpu", devices=1, plugins=[plugin]), plugin,
+                                      range(TWO_MOVES_STEPS))
+    ladder = plugin.ladder
+    assert (ladder.changes, ladder.moved_at, ladder.snapshot_step, ladder.steps) == (2, 23, 16, TWO_MOVES_STEPS)
+    assert (ladder.snapshots.good.step, ladder.snapshots.candidate.step) == (24, 28)
+    assert plugin.skipped_steps == 6  # O2's 3 before the first move (a rollback rewinds no count), BLOWUP's 3
+    first = FabricAmpAutoPrecision(**TWO_MOVES)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[first])
+    with pytest.warns(UserWarning, match="moved from rung 0"):
+        state, _ = _two_moves(fabric, first, range(RESUME_AT))
+    fabric.save(tmp_path / "between.ckpt", state)
+    resumed = FabricAmpAutoPrecision(**TWO_MOVES)
+    with pytest.warns(UserWarning) as record:
+        state, resumed_scales = _two_moves(Fabric(accelerator="cpu", devices=1, plugins=[resumed]), resumed,
+                                           range(RESUME_AT, TWO_MOVES_STEPS), load=tmp_path / "between.ckpt")
+    messages = [str(w.message) for w in record]
+    assert any("resuming on rung 1 (O1/dynamic)" in m for m in messages)
+    assert any("at step 23; rolled back to step 16 and moved from rung 1" in m for m in messages)
+    assert resumed_scales == {step: scales[step] for step in range(RESUME_AT, TWO_MOVES_STEPS)}
+    assert_same(_everything(state), _everything(straight))

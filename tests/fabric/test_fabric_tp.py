@@ -170,15 +170,14 @@ class _TrainerDeepSpeed(TrainerDeepSpeedStrategy):
         pass
 
 
-def test_deepspeed_with_our_fabric_plugin_is_refused_before_anything_is_cast():
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=_FabricDeepSpeed(), plugins=[FabricAmpO2Precision()])
-    fabric.launch()
-    model = torch.nn.Linear(4, 4)
+def test_deepspeed_with_our_fabric_plugin_is_refused_when_fabric_is_built():
+    """Fabric hands its precision plugin no strategy: the plugin checks the one Fabric's connector made
+    (plugin_kinds.py), before ``fabric.setup`` can cast anything."""
+    plugin = FabricAmpO2Precision()
     with pytest.raises(TypeError, match=r"FabricAmpO2Precision\(opt_level='O2'.*cannot run under DeepSpeed \(_FabricDeepSpeed\).*"
                                         r"strategy='deepspeed', precision='bf16-mixed'"):
-        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert not fabric.strategy.precision.amp.holds_policy and o2_policy.installs() == 0
-    assert model.weight.dtype == torch.float32
+        L.Fabric(accelerator="cpu", devices=1, strategy=_FabricDeepSpeed(), plugins=[plugin])
+    assert not plugin.amp.holds_policy and o2_policy.installs() == 0
 
 
 def test_deepspeed_with_our_trainer_plugin_is_refused_before_anything_is_cast():

@@ -271,3 +271,31 @@ def test_sources_are_found_in_the_tree_or_the_package():
     files = _build.source_files(root)
     assert "bindings.cpp" in files and "checks.h" in files and "cuda/multi_tensor_apply.cuh" in files
     assert set(_build.compiled_sources(root, with_cuda=False)) < set(_build.compiled_sources(root, with_cuda=True))
+
+
+_OTHER_VALUES = {"torch": "2.11.0", "cuda": "12.4", "cxx11_abi": None, "python": ".cpython-310-x86_64-linux-gnu.so"}
+
+
+def test_every_field_of_the_prebuilt_record_is_varied_below():
+    assert set(_OTHER_VALUES) == set(_build.runtime_identity())
+
+
+@pytest.mark.skipif(ops._ext_for("cpu") is None, reason="compiled extension not loaded")
+@pytest.mark.parametrize("field", sorted(_OTHER_VALUES))
+def test_a_prebuilt_record_differing_in_any_one_field_is_not_loaded(tmp_path, monkeypatch, field):
+    """Each field of what the extension was built for, alone (the others and the sources matching), refuses it."""
+    import json
+
+    package = tmp_path / "lightning_amp"
+    package.mkdir()
+    shutil.copy(ops.extension_path(), package / "_C.cpython-311-x86_64-linux-gnu.so")
+    monkeypatch.setattr(ops._ext._build, "PACKAGE_DIR", str(package))
+    here = _build.runtime_identity()
+    other = not here["cxx11_abi"] if field == "cxx11_abi" else _OTHER_VALUES[field]
+    assert other != here[field]
+    record = {**here, field: other, "sources": _build.sources_digest(_build.source_dir())}
+    (package / _build.BUILD_RECORD).write_text(json.dumps(record))
+    module, why, origin = ops._ext._load_prebuilt()
+    assert module is None and origin is None
+    assert why == (f"lightning_amp/_C.cpython-311-x86_64-linux-gnu.so was built for {ops._ext._describe_identity(record)}, "
+                   f"this is {ops._ext._describe_identity(here)}")

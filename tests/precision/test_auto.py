@@ -7,7 +7,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp import AmpAutoPrecision, AmpPrecision, LadderRules
-from support.ladder_nets import BigGradNet, GainSum, LitNet, fit
+from support.ladder_nets import (RESUME_AT, TWO_MOVES, TWO_MOVES_STEPS, BigGradNet, GainSum, LitNet, assert_same, books,
+                                 fit, loss_factor)
 from support.trainer import assert_same_weights, quiet_lightning
 
 RULES = LadderRules(nonfinite_in_a_row=3, snapshot_every=2)
@@ -153,3 +154,51 @@ def test_dynamic_scaler_keywords_configure_the_dynamic_rung(flag_timing):
     manual, _ = fit(BigGradNet, AmpPrecision("O1", dtype="float16", init_scale=2.0**9, growth_interval=4),
                      20 - plugin.ladder.moved_at)
     assert_same_weights(auto, manual)
+
+
+class TwoMoves(LitNet):
+    """GainSum with the losses of the run's steps in BLOWUP multiplied by inf (support.ladder_nets.TWO_MOVES); the
+    scale each step runs at is recorded by step."""
+
+    def __init__(self):
+        super().__init__(GainSum)
+        self.scales = {}
+
+    def training_step(self, batch, batch_idx):
+        step = self.trainer.global_step
+        self.scales[step] = self.trainer.precision_plugin.loss_scale
+        return super().training_step(batch, batch_idx) * loss_factor(step)
+
+
+def _everything(model, trainer):
+    plugin = trainer.precision_plugin
+    return {"model": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "books": books(plugin.amp)}
+
+
+def test_two_moves_with_a_resume_between_them_end_as_the_straight_run(tmp_path):
+    with pytest.warns(UserWarning, match="moved from rung 1"):
+        straight, straight_trainer = fit(TwoMoves(), AmpAutoPrecision(**TWO_MOVES), TWO_MOVES_STEPS,
+                                            quiet=False)
+    ladder = straight_trainer.precision_plugin.ladder
+    assert (ladder.changes, ladder.moved_at, ladder.snapshot_step, ladder.steps) == (2, 23, 16, TWO_MOVES_STEPS)
+    # the candidate of step 20, taken on the failing rung, dropped at the move: the one of step 24 promoted at 28
+    assert (ladder.snapshots.good.step, ladder.snapshots.candidate.step) == (24, 28)
+    with pytest.warns(UserWarning, match="moved from rung 0"):
+        _, first = fit(TwoMoves(), AmpAutoPrecision(**TWO_MOVES), RESUME_AT, quiet=False)
+    first.save_checkpoint(tmp_path / "between.ckpt")
+    plugin = AmpAutoPrecision(**TWO_MOVES)
+    with pytest.warns(UserWarning, match=r"at step 23; rolled back to step 16 and moved from rung 1"):
+        resumed, trainer = fit(TwoMoves(), plugin, TWO_MOVES_STEPS, ckpt_path=tmp_path / "between.ckpt", quiet=False)
+    assert resumed.scales == {step: straight.scales[step] for step in range(RESUME_AT, TWO_MOVES_STEPS)}
+    assert straight.scales[RESUME_AT] not in (2.0**4, 2.0**16)
+    assert_same(_everything(resumed, trainer), _everything(straight, straight_trainer))
+
+
+def test_a_checkpoint_of_another_ladder_is_refused_at_resume(tmp_path):
+    _, trainer = fit(GainSum, AmpAutoPrecision(**TWO_MOVES), 2)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    other = AmpAutoPrecision(**{**TWO_MOVES, "ladder": [("O2", 128.0), ("O1", 128.0), "O0"]})
+    with pytest.raises(ValueError, match=r"the checkpoint belongs to another ladder: its ladder .* differs"):
+        fit(GainSum, other, 4, ckpt_path=tmp_path / "ckpt")
+    assert other.ladder.steps == 0 and other.ladder.changes == 0

@@ -54,13 +54,11 @@ def test_fsdp2_refuses_the_ladder_at_setup_before_the_model_is_cast(one_process_
     assert plugin.amp.module is None  # never prepared
 
 
-def test_fabric_fsdp2_refuses_the_ladder_at_setup(one_process_group):
+def test_fabric_fsdp2_refuses_the_ladder_when_fabric_is_built(one_process_group):
+    """Fabric's plugin sees the strategy where the wrapped Fabric connector does (plugin_kinds.py): before any setup."""
     plugin = FabricAmpAutoPrecision(dtype="float16")
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=FabricModelParallel(lambda module, mesh: module),
-                      plugins=[plugin])
-    fabric.launch()
     module = torch.nn.Linear(4, 4)
     before = [p.detach().clone() for p in module.parameters()]
     with pytest.raises(ValueError, match=REFUSED.format("ModelParallelStrategy")):
-        fabric.setup(module)
+        L.Fabric(accelerator="cpu", devices=1, strategy=FabricModelParallel(lambda module, mesh: module), plugins=[plugin])
     assert plugin.amp.module is None and all(torch.equal(a, b) for a, b in zip(before, module.parameters()))

@@ -2,23 +2,30 @@
 ``fit``: torch's default dtype, the functions the cast lists patch, O2's op-policy kernels, the global forward
 pre-hook of a recomputing backward, the environment; and Lightning's ThroughputMonitor lookup, wrapped for
 our plugins only."""
+import gc
 import os
 import pathlib
+import pickle
 import threading
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric import connector as fabric_connector
 from lightning.pytorch.callbacks import throughput_monitor
+from lightning.pytorch.trainer.connectors import accelerator_connector as trainer_connector
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
 from torch.nn.modules import module as torch_module
 from torch.utils.checkpoint import checkpoint
 
 from lightning_amp import AmpPrecision, register_float_function
-from lightning_amp.amp import casts, function_backward, o2_policy, process_state
+from lightning_amp.amp import casts, function_backward, process_state
+from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.amp.process_state import ProcessChange
 from lightning_amp.amp.runtime import AmpRuntime
+from lightning_amp.fabric import FabricAmpO2Precision
+from lightning_amp.plugin_base import CONNECTORS_CHANGE, THROUGHPUT_CHANGE, AmpPluginBase
 from support.trainer import quiet_lightning
 
 LEVELS = ("O1", "O2", "O3")
@@ -52,6 +59,26 @@ class _Net(L.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
 
 
+def _held_by_live_plugins():
+    """The holds of Lightning's wrapped objects that plugins still alive in this process account for (a test
+    session keeps plugins built for parametrizations alive; each holds them until its teardown or collection)."""
+    gc.collect()
+    counts = {}
+    for plugin in (obj for obj in gc.get_objects() if isinstance(obj, AmpPluginBase)):
+        hold = getattr(plugin, "_lightning_hold", None)
+        if hold is not None and hold.alive:
+            for name in plugin.lightning_changes:
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _active_beyond_live_plugins():
+    """``process_state.active()`` less what live plugins hold (``{}``: as in a fresh process after the run)."""
+    held = _held_by_live_plugins()
+    active = {name: holds - held.get(name, 0) for name, holds in process_state.active().items()}
+    return {name: holds for name, holds in active.items() if holds}
+
+
 def _snapshot():
     return dict(
         default_dtype=torch.get_default_dtype(),
@@ -61,7 +88,7 @@ def _snapshot():
         policy_installs=o2_policy.installs(),
         pre_hooks=dict(torch_module._global_forward_pre_hooks),
         environ=dict(os.environ),
-        active=process_state.active(),
+        active=_active_beyond_live_plugins(),
     )
 
 
@@ -69,6 +96,7 @@ def _snapshot():
 def before_and_after():
     """The state before and after one ``fit`` per level (O1 with a registered cast-list function too)."""
     register_float_function(torch, "sigmoid")
+    gc.collect()  # plugins of earlier tests no longer referenced give their holds back when they are collected
     try:
         before, after = _snapshot(), {}
         for level in LEVELS:
@@ -116,13 +144,37 @@ def test_environment_is_unchanged(before_and_after, level):
     assert after[level]["environ"] == before["environ"]
 
 
-def test_throughput_monitor_lookup_answers_lightnings_own_for_its_plugins():
-    """The one process-wide wrap that stays (by design): Lightning's own plugins get Lightning's answer."""
+def test_lightnings_objects_are_wrapped_while_a_plugin_of_ours_is_about_and_counted():
+    """The ThroughputMonitor lookup and the constructors of Lightning's connectors (plugin_kinds.py) are process-wide
+    changes held by our plugins from their construction to their teardown (or collection), reported by
+    ``active()``, and Lightning's own again when the last one is gone; meanwhile Lightning's own plugins get
+    Lightning's answer. A plugin unpickled in a spawned process holds them again."""
+    assert _active_beyond_live_plugins() == {}
+    base = _held_by_live_plugins()  # {} in a fresh process; a session keeps other tests' plugins alive
+
+    def holding(connectors, throughput):
+        counts = {CONNECTORS_CHANGE: base.get(CONNECTORS_CHANGE, 0) + connectors,
+                  THROUGHPUT_CHANGE: base.get(THROUGHPUT_CHANGE, 0) + throughput}
+        return {name: holds for name, holds in counts.items() if holds}
+
+    lightnings = throughput_monitor._plugin_to_compute_dtype
+    inits = fabric_connector._Connector.__init__, trainer_connector._AcceleratorConnector.__init__
+    plugin = AmpPrecision("O2", dtype="float16")
     lookup = throughput_monitor._plugin_to_compute_dtype
-    assert getattr(lookup, "_lightning_amp", False)
-    assert lookup(MixedPrecision("bf16-mixed", "cpu")) == torch.bfloat16
-    assert lookup(HalfPrecision("16-true")) == torch.float16
-    assert lookup(AmpPrecision("O2", dtype="float16")) == torch.float16
+    assert lookup(plugin) == torch.float16 and (lookup is not lightnings or THROUGHPUT_CHANGE in base)
+    assert lookup(MixedPrecision("bf16-mixed", "cpu")) == torch.bfloat16 and lookup(HalfPrecision("16-true")) == torch.float16
+    fabric_plugin = FabricAmpO2Precision()
+    assert process_state.active() == holding(2, 1)
+    plugin.teardown()
+    assert process_state.active() == holding(1, 0)
+    assert throughput_monitor._plugin_to_compute_dtype is lightnings  # as it was before this plugin
+    copy = pickle.loads(pickle.dumps(plugin.__class__("O1", dtype="bfloat16")))  # the original is collected at once
+    assert process_state.active() == holding(2, 1)
+    del copy, fabric_plugin
+    assert process_state.active() == holding(0, 0)
+    if not base:
+        assert throughput_monitor._plugin_to_compute_dtype is lightnings
+        assert (fabric_connector._Connector.__init__, trainer_connector._AcceleratorConnector.__init__) == inits
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -149,9 +201,10 @@ def test_the_report_names_what_a_forward_holds_and_what_a_recomputing_backward_a
     with amp.backward_context():
         in_backward = process_state.active()
     amp.release()
-    assert set(inside) == ACTIVE_IN_FORWARD[level] and all(holds >= 1 for holds in inside.values())
+    outside = set(_held_by_live_plugins())
+    assert set(inside) - outside == ACTIVE_IN_FORWARD[level] and all(holds >= 1 for holds in inside.values())
     assert ("global module forward pre-hooks (a recomputing backward)" in in_backward) == (level != "O1")
-    assert process_state.active() == {}
+    assert _active_beyond_live_plugins() == {}
 
 
 def test_every_change_the_report_knows_is_in_the_architecture_table():

@@ -24,6 +24,8 @@ SCALED = {  # our plugin arguments whose loss is scaled: GradScaler.step's call
     "O1": dict(opt_level="O1", dtype="float16", init_scale=INIT_SCALE),
     "O2": dict(opt_level="O2", dtype="float16", init_scale=INIT_SCALE),
     "O3": dict(opt_level="O3", dtype="float16", loss_scale="dynamic", init_scale=INIT_SCALE),
+    "O1-static": dict(opt_level="O1", dtype="float16", loss_scale=INIT_SCALE),  # a static scale scales the loss too
+    "O2-static": dict(opt_level="O2", dtype="float16", loss_scale=INIT_SCALE),
 }
 UNSCALED = {  # ... and those whose loss is not: bf16-mixed's call
     "O1": dict(opt_level="O1", dtype="bfloat16"),

@@ -9,14 +9,60 @@
 Every batch is the same full batch (:func:`full_batch`), so a run rolled back to its start and continued for
 ``n`` steps equals a run of ``n`` steps on the rung it moved to, bit for bit. :class:`LitNet` trains one of
 them under the Trainer, :func:`fit` runs it.
+
+Two moves with a resume between them (:data:`TWO_MOVES`): :class:`GainSum` on ``O2/128 -> O1/dynamic -> O0``
+moves at step 3 (O2 diverges); the dynamic scale starts at 2**4 and doubles every 3 clean steps, so at the
+checkpoint (step :data:`RESUME_AT`) it is neither its start nor a power the rung would restart at; the losses of
+the run's steps in :data:`BLOWUP` (the run's own step numbers: a rollback does not replay data) are multiplied by
+inf, so the dynamic rung sees 3 non-finite steps in a row and moves at step 23, back to a rollback point taken on
+that rung (:func:`loss_factor`). :func:`books` is what a resumed run must equal the straight one in.
 """
 import contextlib
+import math
 
 import lightning as L
 import torch
 from torch import nn
 
+from lightning_amp import LadderRules
 from support.trainer import quiet_lightning
+
+TWO_MOVES = dict(dtype="float16", ladder=[("O2", 128.0), ("O1", "dynamic"), "O0"], init_scale=2.0**4,
+                 growth_interval=3, ladder_rules=LadderRules(nonfinite_in_a_row=3, snapshot_every=4, spike_factor=None,
+                                                             max_skip_rate=None, floor_patience=None))
+BLOWUP = range(20, 23)
+RESUME_AT = 12
+TWO_MOVES_STEPS = 30
+
+
+def loss_factor(step: int) -> float:
+    """What the loss of the run's optimizer step ``step`` (counted from 0) is multiplied by."""
+    return math.inf if step in BLOWUP else 1.0
+
+
+def books(amp) -> dict:
+    """What a resumed run must end with as the straight one did, of an AmpRuntime (``plugin.amp``): the ladder's
+    books (rung, moves, steps, rollback point and candidate with their states, the rules' streaks), the scalers and
+    the skipped steps."""
+    state = amp.state_dict()
+    return {"ladder": state["ladder"], "loss_scalers": state["loss_scalers"], "skipped": state["skipped_steps"],
+            "skipped_per_optimizer": state["skipped_per_optimizer"], "opt_level": state["opt_level"]}
+
+
+def assert_same(got, want, where: str = "") -> None:
+    """Nested dicts/lists/tuples of tensors and plain values equal, tensors bit for bit."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got, key=str) == sorted(want, key=str), (where, sorted(got, key=str))
+        for key in want:
+            assert_same(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for index, (a, b) in enumerate(zip(got, want)):
+            assert_same(a, b, f"{where}[{index}]")
+    else:
+        assert got == want, (where, got, want)
 
 
 class GainSum(nn.Module):

@@ -1,34 +1,39 @@
 """AmpLadder: ``opt_level="auto"``, a run that moves one rung down its ladder when it stops converging.
 
-Framework-free; the plugins call it from their hooks::
+The ladder is a client of the runtime (:class:`~lightning_amp.amp.runtime.AmpRuntime`, which drives it): it is
+told what happens and returns decisions, and keeps no reference to the runtime or its engine::
 
     ladder = AmpLadder(ladder=None, rules=LadderRules())   # the default ladder of the dtype
-    ladder.resolve(runtime)                                # the runtime on the current rung
+    ladder.check_rungs(dtype, props_of)                    # the rungs validated against the run's options
     # per optimizer step of the first optimizer:
-    ladder.before_step(runtime, objects)                   # rollback points, every rules.snapshot_every steps
-    ... runtime.step(optimizer) ...
-    ladder.after_step(runtime, objects)                    # a rule fired: roll back, go one rung down
+    ladder.before_step(objects, device)                    # rollback points, every rules.snapshot_every steps
+    ... the step; each step's flag and scale, when they land: ladder.landed(skipped, scale, floor) ...
+    move = ladder.after_step(device)                       # None (stay) or a Move: go to rung K, rolled back to P
+    # the runtime applies a Move in one place (AmpRuntime._apply_move): the flags on their way settled,
+    # ladder.rollback(objects), the rung's level (fresh scalers), then ladder.moved(move, names)
+    # at resume: move = ladder.load_state_dict(state, dtype), applied the same way, before the scalers load
 
 ``objects`` (name -> object with ``state_dict``/``load_state_dict``) is what a rollback restores: the model
 under the name ``"model"``, each optimizer, each LR scheduler. What the rules read costs no host sync: each
 optimizer step's non-finite flag and loss scale reach the host through the step's own
-:class:`~lightning_amp.amp.gate.StepGate` (its ``watchers``), at once on the CPU and some steps later on a
-GPU, and the decision is taken when they land; the training loss is read on logged steps only
-(:meth:`AmpLadder.log_loss`, a non-blocking copy read once landed).
+:class:`~lightning_amp.amp.gate.StepGate`, at once on the CPU and some steps later on a GPU, and the runtime hands
+them on (:meth:`AmpLadder.landed`); the decision is taken when they land; the training loss is read on logged
+steps only (:meth:`AmpLadder.log_loss`, a non-blocking copy read once landed).
 
-A move (:meth:`AmpLadder.move`): the flags on their way are waited for, the good snapshot is restored
-(:class:`~lightning_amp.amp.ladder.snapshot.SnapshotStore`; the run's data goes on: the batches since then
-are not replayed), the runtime changes level (:meth:`AmpRuntime.change_level`: the model re-prepared
-without new Parameters, fresh scalers at the new rung's scale), and a warning names the rule, the step,
-the params the overflow forensics named, and the old and new rung. Under several processes every rank
-moves together: on every ``rules.decide_every``-th step the ranks agree on the verdict (one all-reduce) and
-only then move, and they agree whether a candidate snapshot may become the rollback point (one all-reduce per
-``snapshot_every`` steps); a single process decides on every step.
+The books (:meth:`AmpLadder.state_dict`): the rung, the moves, the run's own step count (never restarted: the
+steps named in warnings, ``moved_at``, ``snapshot_step`` and the rollback points count the run's optimizer steps
+across moves and resumes), the rollback point and its candidate, and what the rules have seen on the rung, so a
+resumed run goes on exactly as the straight one. A move drops the candidate taken on the failing rung: it is
+never promoted.
+
+Under several processes every rank moves together: on every ``rules.decide_every``-th step the ranks agree on the
+verdict (one all-reduce) and only then move, and they agree whether a candidate snapshot may become the rollback
+point (one all-reduce per ``snapshot_every`` steps); a single process decides on every step.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,9 +41,9 @@ from torch import Tensor
 
 from lightning_amp.amp.ladder.rules import RUNG_ORDER, LadderRules, Rung, RungWatch, check_ladder, rung_height
 from lightning_amp.amp.ladder.snapshot import SnapshotStore
-from lightning_amp.amp.levels import resolve_properties
+from lightning_amp.amp.levels import AmpProperties
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the step count's books, the rules' streaks, the snapshots and the dtype
 
 
 class _HostScalars:
@@ -69,15 +74,23 @@ def _several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _any_rank(flag: bool, runtime: Any) -> bool:
-    """Whether ``flag`` is set on any rank: one all-reduce (MAX) of a one-element tensor where the loss scale lives."""
-    states = runtime.engine.states
-    device = states[0].scaler.device if states else torch.device("cpu")
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank: one all-reduce (MAX) of a one-element tensor on ``device`` (where the
+    loss scale lives; the CPU under gloo)."""
     if dist.get_backend() == "gloo":
         device = torch.device("cpu")
     tensor = torch.tensor([float(flag)], device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
+
+
+class Move(NamedTuple):
+    """A decision of the ladder, applied by the runtime: go on at ``rung``, after restoring the rollback point of step
+    ``rollback_to`` (None at a resume: the checkpoint's state is the run's)."""
+
+    rung: int
+    rollback_to: Optional[int]
+    reason: Optional[str]
 
 
 class AmpLadder:
@@ -96,6 +109,7 @@ class AmpLadder:
             raise TypeError(f"`ladder_rules` must be a lightning_amp LadderRules; got {type(rules).__name__}")
         self.requested = ladder
         self.rungs: Tuple[Rung, ...] = check_ladder(ladder, None)
+        self.dtype: Optional[torch.dtype] = None  #: the half dtype the rungs were checked for
         self.rules = rules or LadderRules()
         self.warn = warn
         self.index = 0  #: the current rung
@@ -103,13 +117,12 @@ class AmpLadder:
         self.reason: Optional[str] = None  #: the rule of the last move
         self.moved_at: Optional[int] = None  #: the step of the last move
         self.snapshot_step: Optional[int] = None  #: the step the last move rolled back to
-        self.steps = 0  #: optimizer steps of the first optimizer so far
+        self.steps = 0  #: optimizer steps of the first optimizer so far (the run's own count: never restarted)
+        self._landed = 0  # the steps taken before the step whose flag lands next (flags land in order)
         self._forward_state = 0  # the steps taken before the last forward (the state it ran on)
         self._before_step_of: Optional[int] = None  # the step count before_step last ran for
         self.snapshots = SnapshotStore(self.rules.snapshot_dir)
         self._watch = RungWatch(self.rules)
-        self._watched: Any = None  # the gate watched
-        self._watcher: Optional[Callable[[bool, Optional[Any]], None]] = None  # what it calls
         self._losses = _HostScalars()
         self._bottom_warned = False
 
@@ -119,63 +132,55 @@ class AmpLadder:
 
     # ---- setup -------------------------------------------------------------------------
 
-    def resolve(self, runtime: Any) -> None:
-        """Validate the ladder for the runtime's dtype and options (ValueError naming the rung) and put the
-        runtime on the current rung."""
-        self.rungs = check_ladder(self.requested, runtime.properties.dtype)
-        if self.index >= len(self.rungs):
-            raise ValueError(f"the run is on rung {self.index} but `ladder` has {len(self.rungs)} rungs")
+    def check_rungs(self, dtype: torch.dtype, props_of: Callable[[Rung], AmpProperties]) -> None:
+        """Validate the ladder for ``dtype`` and the run's other options: ``props_of(rung)`` resolves a rung with
+        them (ValueError when they do not fit); ValueError naming the rung for one that does not fit or stands out
+        of order. The runtime then goes on at :attr:`rung`."""
+        rungs = check_ladder(self.requested, dtype)
+        if self.index >= len(rungs):
+            raise ValueError(f"the run is on rung {self.index} but `ladder` has {len(rungs)} rungs")
         above: Optional[Tuple[int, int, float]] = None
-        for index, rung in enumerate(self.rungs):
+        for index, rung in enumerate(rungs):
             try:
-                props = resolve_properties(**{**runtime.request, "opt_level": rung.opt_level,
-                                              "loss_scale": rung.loss_scale}, device_type=runtime.device_type)
+                props = props_of(rung)
             except ValueError as err:
                 raise ValueError(f"`ladder[{index}]` = {tuple(rung)} does not fit the other options: {err}") from None
             height = rung_height(props.opt_level, props.loss_scale)
             if above is not None and height >= above:
                 how = "repeats" if height == above else "stands above"
                 raise ValueError(f"`ladder[{index}]` = {tuple(rung)} ({props.opt_level}, loss scale {props.loss_scale!r} "
-                                 f"with {props.dtype}) {how} `ladder[{index - 1}]` = {tuple(self.rungs[index - 1])}: "
+                                 f"with {props.dtype}) {how} `ladder[{index - 1}]` = {tuple(rungs[index - 1])}: "
                                  f"{RUNG_ORDER}")
             above = height
-        rung = self.rung
-        if (runtime.properties.opt_level, runtime.request["loss_scale"]) != (rung.opt_level, rung.loss_scale):
-            runtime.change_level(rung.opt_level, rung.loss_scale)
+        self.rungs, self.dtype = rungs, dtype
 
-    def attach(self, engine: Any) -> None:
-        """Watch the flags of the engine's first optimizer (idempotent; again after a move renews its step)."""
-        if not engine.states or engine.states[0].gate is self._watched:
-            return
-        state = engine.states[0]
-        self._watched = state.gate
-        scaler = state.scaler
-        floor = scaler.min_loss_scale if scaler.dynamic else None
-        watch = self._watch
-        next_state = [self.steps]  # the flags land in order: the next one is of the step taken on this state
+    # ---- what the ladder is told -------------------------------------------------------
 
-        def landed(skipped: bool, payload: Optional[Any]) -> None:
-            watch.step(skipped, float(payload[0]) if payload is not None else scaler.scale, floor, next_state[0])
-            next_state[0] += 1
+    def landed(self, skipped: bool, scale: float, floor: Optional[float]) -> None:
+        """The flag of the next step of the first optimizer reached the host (in step order): ``skipped`` for
+        non-finite grads, ``scale`` the loss scale after its update, ``floor`` the dynamic scale's floor (None for a
+        static scale)."""
+        self._watch.step(skipped, scale, floor, self._landed)
+        self._landed += 1
 
-        self._watcher = landed
-        state.gate.watchers.append(landed)
+    def note_forward(self) -> None:
+        """A forward begins: the losses logged next were computed on the state after :attr:`steps` steps."""
+        self._forward_state = self.steps
 
-    def _restart_watch(self, engine: Any) -> None:
-        """The rules start afresh (a new rung, or a rule that fired on the last one): the old watcher is detached."""
-        if self._watched is not None and self._watcher in self._watched.watchers:
-            self._watched.watchers.remove(self._watcher)
-        self._watch, self._watched, self._watcher = RungWatch(self.rules), None, None
-        self.attach(engine)
+    def log_loss(self, loss: Tensor) -> None:
+        """A logged step's training loss, of the last forward (:meth:`note_forward`): copied to the host without
+        waiting, judged once landed."""
+        self._losses.push(self._forward_state, loss)
+        for state, value in self._losses.landed():
+            self._watch.loss(value, state)
 
     # ---- per step ----------------------------------------------------------------------
 
-    def before_step(self, runtime: Any, objects: Callable[[], Mapping[str, Any]]) -> None:
-        """Before an optimizer step (its optimizer connected): its flags are watched from now on; the run's first
-        state is the rollback point; every ``snapshot_every`` steps the previous candidate becomes it if no rule
-        fired since, and the state now is the new candidate. Once per step: called again before the step is taken
-        (the runtime calls it before the closure and again at the step), it does nothing."""
-        self.attach(runtime.engine)
+    def before_step(self, objects: Callable[[], Mapping[str, Any]], device: torch.device) -> None:
+        """Before an optimizer step: the run's first state is the rollback point; every ``snapshot_every`` steps the
+        previous candidate becomes it if no rule fired since, and the state now is the new candidate (``device``:
+        where the ranks agree on that). Once per step: called again before the step is taken (the runtime calls it
+        before the closure and again at the step), it does nothing."""
         if self._before_step_of == self.steps:
             return
         self._before_step_of = self.steps
@@ -184,7 +189,7 @@ class AmpLadder:
         elif self.steps % self.rules.snapshot_every == 0 and (self.snapshots.candidate is None
                                                               or self.snapshots.candidate.step != self.steps):
             ok = self._promotable()
-            if ok if not _several_ranks() else not _any_rank(not ok, runtime):
+            if ok if not _several_ranks() else not _any_rank(not ok, device):
                 self.snapshots.promote()
             self.snapshots.take(self.steps, objects())
 
@@ -199,82 +204,89 @@ class AmpLadder:
         landed = watch.flags_through is not None and watch.flags_through >= candidate.step
         return watch.calm and landed and watch.quiet_at(candidate.step)
 
-    def note_forward(self) -> None:
-        """A forward begins: the losses logged next were computed on the state after :attr:`steps` steps."""
-        self._forward_state = self.steps
-
-    def log_loss(self, loss: Tensor) -> None:
-        """A logged step's training loss, of the last forward (:meth:`note_forward`): copied to the host without
-        waiting, judged once landed."""
-        self._losses.push(self._forward_state, loss)
-        for state, value in self._losses.landed():
-            self._watch.loss(value, state)
-
-    def after_step(self, runtime: Any, objects: Callable[[], Mapping[str, Any]]) -> bool:
-        """After an optimizer step: move one rung down if a rule fired (see the module docstring); under several
-        processes only on every ``decide_every``-th step, all ranks together. Whether the run moved."""
+    def after_step(self, device: torch.device) -> Optional[Move]:
+        """After an optimizer step: a :class:`Move` one rung down, back to the rollback point, if a rule fired
+        (under several processes only on every ``decide_every``-th step, all ranks together, agreed on ``device``);
+        None to stay. On the last rung a rule that fires is warned about once and its rules start afresh."""
         self.steps += 1
-        self.attach(runtime.engine)
         reason = self._watch.verdict()
         if _several_ranks():
-            if self.steps % self.rules.decide_every or not _any_rank(reason is not None, runtime):
-                return False
+            if self.steps % self.rules.decide_every or not _any_rank(reason is not None, device):
+                return None
             reason = reason or "a rule fired on another rank"
         if reason is None:
-            return False
+            return None
         if self.index + 1 >= len(self.rungs):
             if not self._bottom_warned:
                 self.warn(f"lightning_amp ladder: {reason} at step {self.steps}, but the run is on the last rung "
                           f"({self.rung}): it goes on there")
                 self._bottom_warned = True
-            self._restart_watch(runtime.engine)
-            return False
-        self.move(runtime, objects(), reason)
-        return True
+            self._watch = RungWatch(self.rules)
+            return None
+        return Move(self.index + 1, self.snapshots.good.step, reason)
 
-    def move(self, runtime: Any, objects: Mapping[str, Any], reason: str) -> None:
-        """Roll back to the good snapshot and go on one rung down (see the module docstring)."""
-        engine = runtime.engine
-        for state in engine.states:
-            state.gate.poll(wait=True)  # deferred scheduler calls run on the old state, then it is replaced
-        names = list(engine.last_nonfinite_params)
-        old = self.rung
-        self.snapshot_step = self.snapshots.restore(objects)
+    def rollback(self, objects: Mapping[str, Any]) -> int:
+        """Restore the rollback point into ``objects`` (part of applying a :class:`Move`) and drop the candidate,
+        taken on the failing rung: it is never promoted. The step rolled back to."""
+        step = self.snapshots.restore(objects)
         self.snapshots.drop_candidate()
-        self.index += 1
-        runtime.change_level(self.rung.opt_level, self.rung.loss_scale)
-        for state in engine.states:
-            state.gate.last_skipped = True  # the step that moved was rolled back: an LR scheduler call after it is void
-        self.changes += 1
-        self.reason, self.moved_at = reason, self.steps
-        self._restart_watch(engine)
+        return step
+
+    def moved(self, move: Move, names: Sequence[str]) -> None:
+        """The runtime applied ``move`` (after a step; ``names``: the params the overflow forensics named): the books
+        say so, the rules start afresh on the new rung, and a warning names the rule, the steps and the rungs."""
+        old = self.rung
+        self.index, self.changes = move.rung, self.changes + 1
+        self.reason, self.moved_at, self.snapshot_step = move.reason, self.steps, move.rollback_to
+        self._watch = RungWatch(self.rules)
         shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
-        self.warn(f"lightning_amp ladder: {reason} at step {self.steps}; rolled back to step {self.snapshot_step} "
-                  f"and moved from rung {self.index - 1} ({old}) to rung {self.index} ({self.rung}); non-finite grads "
+        self.warn(f"lightning_amp ladder: {move.reason} at step {self.steps}; rolled back to step {move.rollback_to} "
+                  f"and moved from rung {move.rung - 1} ({old}) to rung {move.rung} ({self.rung}); non-finite grads "
                   f"last in: {shown or 'none named'}")
 
     # ---- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
+        """The books (see the module docstring); the flags still on their way must have landed (the runtime waits
+        for them first)."""
         return {"version": _STATE_VERSION, "rung": self.index, "rungs": [tuple(r) for r in self.rungs],
+                "dtype": None if self.dtype is None else str(self.dtype).removeprefix("torch."),
                 "changes": self.changes, "reason": self.reason, "moved_at": self.moved_at,
-                "snapshot_step": self.snapshot_step, "steps": self.steps}
+                "snapshot_step": self.snapshot_step, "steps": self.steps, "watch": self._watch.state_dict(),
+                "snapshots": self.snapshots.state_dict(), "bottom_warned": self._bottom_warned}
 
-    def load_state_dict(self, state: Mapping[str, Any], runtime: Any) -> None:
-        """Continue on the saved rung (the runtime changes level; the loss scalers are loaded after this) and say so."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> Move:
+        """Take the books of ``state`` (:meth:`state_dict`) and return the :class:`Move` to their rung, which the
+        runtime applies before the loss scalers are loaded. ValueError naming what differs, before anything
+        changes, for the checkpoint of another ladder (other rungs, another dtype) or of a newer version."""
+        if not isinstance(state, Mapping) or not isinstance(state.get("version"), int):
+            raise ValueError(f"the checkpoint's ladder state is not one this version writes; got {state!r:.200}")
+        if state["version"] > _STATE_VERSION:
+            raise ValueError(f"the checkpoint's ladder state has version {state['version']}; this lightning_amp reads "
+                             f"versions up to {_STATE_VERSION}: upgrade lightning_amp to resume it")
         rungs = [tuple(r) for r in self.rungs]
-        if [tuple(r) for r in state["rungs"]] != rungs:
-            raise ValueError(f"the checkpoint's ladder {state['rungs']} differs from this run's `ladder` {rungs}; "
-                             "resume with the same ladder")
+        saved_rungs = [tuple(r) for r in state["rungs"]]
+        dtype = None if self.dtype is None else str(self.dtype).removeprefix("torch.")
+        differs = []
+        if state.get("dtype") is not None and dtype is not None and state["dtype"] != dtype:
+            differs.append(f"its dtype {state['dtype']} differs from this run's {dtype}")
+        if saved_rungs != rungs:
+            differs.append(f"its ladder {saved_rungs} differs from this run's `ladder` {rungs}")
+        if not 0 <= int(state["rung"]) < len(self.rungs):
+            differs.append(f"its rung {state['rung']} is not one of this run's {len(self.rungs)} rungs")
+        if differs:
+            raise ValueError("lightning_amp ladder: the checkpoint belongs to another ladder: " + "; ".join(differs)
+                             + ". Resume with the dtype and `ladder` it was saved with; nothing was restored")
         self.index, self.changes = int(state["rung"]), int(state["changes"])
         self.reason, self.moved_at, self.snapshot_step = state["reason"], state["moved_at"], state["snapshot_step"]
-        self.steps = int(state["steps"])
+        self.steps = self._landed = self._forward_state = int(state["steps"])
         self._before_step_of = None
-        self.snapshots = SnapshotStore(self.rules.snapshot_dir)
-        rung = self.rung
-        if (runtime.properties.opt_level, runtime.request["loss_scale"]) != (rung.opt_level, rung.loss_scale):
-            runtime.change_level(rung.opt_level, rung.loss_scale)
-        self._restart_watch(runtime.engine)
+        self._watch = RungWatch(self.rules)
+        if "watch" in state:  # version 1 saved neither the rules' streaks nor the snapshots
+            self._watch.load_state_dict(state["watch"])
+        self.snapshots.load_state_dict(state.get("snapshots") or {})
+        self._bottom_warned = bool(state.get("bottom_warned", False))
         if self.changes:
-            self.warn(f"lightning_amp ladder: resuming on rung {self.index} ({rung}), reached at step {self.moved_at} "
+            self.warn(f"lightning_amp ladder: resuming on rung {self.index} ({self.rung}), reached at step {self.moved_at} "
                       f"after {self.reason} (rolled back to step {self.snapshot_step})")
+        return Move(self.index, None, None)

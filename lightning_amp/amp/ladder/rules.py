@@ -19,7 +19,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -187,6 +187,27 @@ class RungWatch:
         self.streaks: List[List[Optional[int]]] = []  # [first state, first state after it (None: going on)]
         self._open = {"nonfinite": None, "spike": None}  # the streak of each kind going on now
         self.flags_through: Optional[int] = None  # the last state whose step's flag has landed
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What the rules have seen on this rung (host values only), for a checkpoint: a resumed run fires where the
+        straight one would have."""
+        return {"in_a_row": self.in_a_row, "at_floor_in_a_row": self.at_floor_in_a_row, "window": list(self.window),
+                "history": list(self.history), "spikes_in_a_row": self.spikes_in_a_row, "reasons": list(self._reasons),
+                "streaks": [list(streak) for streak in self.streaks],
+                "open": {kind: None if streak is None else self.streaks.index(streak)
+                         for kind, streak in self._open.items()},
+                "flags_through": self.flags_through}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.in_a_row, self.at_floor_in_a_row = int(state["in_a_row"]), int(state["at_floor_in_a_row"])
+        self.window.clear()
+        self.window.extend(bool(skipped) for skipped in state["window"])
+        self.history.clear()
+        self.history.extend(float(loss) for loss in state["history"])
+        self.spikes_in_a_row, self._reasons = int(state["spikes_in_a_row"]), list(state["reasons"])
+        self.streaks = [list(streak) for streak in state["streaks"]]
+        self._open = {kind: None if index is None else self.streaks[index] for kind, index in state["open"].items()}
+        self.flags_through = state["flags_through"]
 
     def _streak(self, kind: str, inside: bool, state: Optional[int]) -> None:
         if state is None:

@@ -104,7 +104,9 @@ class SnapshotStore:
         """Copy the state of ``objects`` (name -> object) as the candidate (as the good snapshot with ``good``:
         the run's starting state). RuntimeError naming the file when it cannot be written (the good one is
         left as it was)."""
-        states = {name: to_host(obj.state_dict()) for name, obj in objects.items()}
+        self._keep(step, {name: to_host(obj.state_dict()) for name, obj in objects.items()}, good)
+
+    def _keep(self, step: int, states: Dict[str, Any], good: bool) -> None:
         if self.directory is None:
             snapshot = Snapshot(step, states)
         else:
@@ -159,6 +161,23 @@ class SnapshotStore:
                                    f"{good.step} failed ({type(err).__name__}: {err}); the run cannot go on "
                                    "from a partly restored state") from err
         return good.step
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The rollback point and the candidate (each ``{"step", "states"}`` on the host, or None), for a checkpoint:
+        a resumed run rolls back where the straight one would (the checkpoint holds up to twice the model and
+        optimizer state more)."""
+        return {kind: None if snap is None else
+                {"step": snap.step, "states": snap.states if snap.path is None else _read(snap.path, snap.step)}
+                for kind, snap in (("good", self.good), ("candidate", self.candidate))}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Hold the snapshots of :meth:`state_dict` (written to this store's files when it has a directory)."""
+        self.drop_candidate()
+        self.good = None
+        for kind in ("good", "candidate"):
+            saved = state.get(kind)
+            if saved is not None:
+                self._keep(int(saved["step"]), saved["states"], good=kind == "good")
 
     @property
     def nbytes(self) -> int:
