@@ -18,6 +18,7 @@ CHECK = re.compile(r"\b(TORCH_CHECK(?:_VALUE|_TYPE|_INDEX|_NOT_IMPLEMENTED)?|TOR
 WORD_VARIABLES = {
     "op", "name", "name_a", "name_b", "what", "pn", "gn", "sn", "cn", "mode", "g_mode", "why", "policy",
     "dtype", "(dtype)", "pdtype", "gdtype", "device", "::lamp::kKernelDevices", "#expr",
+    "path",  # a std::string: the wgrad path a caller named (cpu/wgrad_gemm.cpp)
 }
 WORD_FORMS = [
     r'"(?:[^"\\]|\\.)*"',  # a string literal

@@ -283,7 +283,20 @@ def check_fused_lamb_on_the_fallback(mesh):
 
 
 def check_all(mesh) -> list:
-    """Run every check on ``mesh`` (all ranks together); the names of those that passed."""
+    """Run every check on ``mesh`` (all ranks together); the names of those that passed.
+
+    Our kernels serve both sides (``_choice.forced``): a DTensor's local shards always take ours, and a check
+    compares the sharding, not our kernel against torch's (which may differ from ours in the last bit)."""
+    from lightning_amp.ops import _choice
+
+    saved, _choice.forced = _choice.forced, _choice.OURS
+    try:
+        return _check_all(mesh)
+    finally:
+        _choice.forced = saved
+
+
+def _check_all(mesh) -> list:
     done = []
     for name, check in [
         ("adam", lambda: check_adam(mesh, amsgrad=False)), ("adam amsgrad", lambda: check_adam(mesh, amsgrad=True)),
