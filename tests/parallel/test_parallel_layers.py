@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_amp.parallel import ParallelMultiheadAttention, apply_plan, comm
+from lightning_amp.parallel import ParallelMultiheadAttention, TensorParallelConfig, apply_plan, comm
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from support.bounds import two_orders_apart
 from support.processes import run_on_two_ranks
@@ -101,7 +101,8 @@ def _check_gather_scatter_and_sync(rank):
     w, b = lin.weight.detach().double().abs(), lin.bias.detach().double().abs()
     y_bound = two_orders_apart(x.detach().double().abs() @ w.t() + b, 9)
     for async_comm in (True, False):
-        col = ColumnParallelLinear.from_linear(lin, None, gather_output=True, async_grad_allreduce=async_comm)
+        col = ColumnParallelLinear.from_linear(lin, None, gather_output=True,
+                                                config=TensorParallelConfig(async_grad_allreduce=async_comm))
         row = RowParallelLinear.from_linear(nn.Linear(6, 8), None, input_is_parallel=False)
         y = col(x)
         assert ((y - lin(x)).double().abs() <= y_bound).all()
@@ -235,7 +236,7 @@ def test_standalone_layers_train_with_a_plain_optimizer():
 def test_single_process_layers_are_plain_linear():
     torch.manual_seed(3)
     lin = nn.Linear(5, 7)
-    col = ColumnParallelLinear.from_linear(lin, None, gradient_accumulation_fusion=False)
+    col = ColumnParallelLinear.from_linear(lin, None, config=TensorParallelConfig(gradient_accumulation_fusion=False))
     x = torch.randn(2, 5)
     torch.testing.assert_close(col(x), lin(x))
     with pytest.raises(ValueError, match="gather_output"):
@@ -243,8 +244,6 @@ def test_single_process_layers_are_plain_linear():
 
 
 def test_layers_read_their_options_from_the_config_and_warn_on_the_old_keywords():
-    from lightning_amp.parallel import TensorParallelConfig
-
     config = TensorParallelConfig(gradient_accumulation_fusion=False, async_grad_allreduce=False)
     col = ColumnParallelLinear(5, 7, config=config)
     assert col.config is config and not col.gradient_accumulation_fusion and not col.async_grad_allreduce
