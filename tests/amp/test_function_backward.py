@@ -171,16 +171,8 @@ def test_a_backward_that_raises_leaves_no_autocast_behind():
     assert _Linear.seen == [(False, torch.get_autocast_dtype("cpu"), torch.float32)]
 
 
-def test_another_thread_applying_a_function_meanwhile_gets_torchs_behaviour():
-    results, stop = [], threading.Event()
-
-    def other_thread():
-        x, w = torch.randn(2, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
-        while not stop.is_set():
-            _Linear.apply(x, w).sum().backward()
-            results.append(x.grad.clone())
-            x.grad = None
-
+def _twenty_o2_steps_beside(other_thread, stop: threading.Event) -> None:
+    """Apply ``_Linear`` in 20 O2 forwards (and their backwards) here while ``other_thread`` runs, until ``stop``."""
     _Linear.seen.clear()
     worker = threading.Thread(target=other_thread)
     worker.start()
@@ -192,6 +184,19 @@ def test_another_thread_applying_a_function_meanwhile_gets_torchs_behaviour():
     finally:
         stop.set()
         worker.join()
+
+
+def test_another_thread_applying_a_function_meanwhile_gets_torchs_behaviour():
+    results, stop = [], threading.Event()
+
+    def other_thread():
+        x, w = torch.randn(2, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        while not stop.is_set():
+            _Linear.apply(x, w).sum().backward()
+            results.append(x.grad.clone())
+            x.grad = None
+
+    _twenty_o2_steps_beside(other_thread, stop)
     assert results and all(torch.equal(r, results[0]) for r in results)
     assert all(enabled for enabled, _, grad_dtype in _Linear.seen if grad_dtype == BF16)
     assert not any(enabled for enabled, _, grad_dtype in _Linear.seen if grad_dtype == torch.float32)
@@ -214,17 +219,7 @@ def test_another_thread_running_its_own_autocast_keeps_it_in_its_functions_backw
         except Exception as err:  # noqa: BLE001  (reported below)
             errors.append(err)
 
-    _Linear.seen.clear()
-    worker = threading.Thread(target=other_thread)
-    worker.start()
-    try:
-        for _ in range(20):
-            with _o2_forward():
-                y = _Linear.apply(torch.randn(2, 4).to(BF16), torch.randn(3, 4, requires_grad=True).to(BF16))
-            y.float().sum().backward()
-    finally:
-        stop.set()
-        worker.join()
+    _twenty_o2_steps_beside(other_thread, stop)
     assert errors == []
     ours = [(enabled, dtype) for enabled, dtype, grad_dtype in _Linear.seen if grad_dtype == BF16]
     theirs = [(enabled, dtype) for enabled, dtype, grad_dtype in _Linear.seen if grad_dtype == F16]
