@@ -88,9 +88,12 @@ O2_SINGLE_DTYPES = dict(O2_DTYPES, forward={"bn": torch.float32, "head": torch.f
 @pytest.mark.slow
 def test_o1_and_o2_under_fsdp2_match_one_device_and_skip_when_one_rank_overflows(tmp_path):
     sharded = _launch_levels(tmp_path, "fsdp", "O1", "O2")  # one launch, two fits
-    # bf16: losses within 2.5 bf16 ulps (measured O1 1.1e-3, O2 1.3e-3), params (measured 1.6e-2, 1.1e-2)
-    for level in ("O1", "O2"):
-        got, ref = _compare(tmp_path, sharded, level, loss_rtol=1e-2, param_rtol=3e-2)
+    # bf16: losses within 2.5 bf16 ulps (measured O1 1.1e-3, O2 1.3e-3), params (measured O1 1.6e-2). O2's stream is
+    # half (issue 46: the batch joins it at block 0's residual), so block 1's LayerNorm runs in bf16 and its bias grad
+    # is a bf16 sum over each rank's rows: like O3's (4e-2 below), measured 4.5e-2 on blocks.1.norm.bias (Xeon
+    # AVX-512); the skip itself is checked exactly (skipped steps and the scale) in _compare
+    for level, param_rtol in (("O1", 3e-2), ("O2", 8e-2)):
+        got, ref = _compare(tmp_path, sharded, level, loss_rtol=1e-2, param_rtol=param_rtol)
         for kind in ("params", "grads", "optimizer_state"):  # 2 data-parallel ranks: each holds half
             assert got["memory"][kind] == pytest.approx(ref["memory"][kind] / 2, rel=0.01), (level, kind)
     assert got["dtypes"] == O2_DTYPES and ref["dtypes"] == O2_SINGLE_DTYPES
