@@ -17,8 +17,8 @@ promotion happens (one relaxed atomic load in the kernel that sees it), then one
 """
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 import warnings
 import weakref
 from typing import Optional
@@ -53,7 +53,7 @@ def disarm() -> None:
 
 
 def _warn(root: Optional[nn.Module], op: str, operands: str) -> None:
-    owner, line = _module_and_line(sys._getframe(1))
+    owner, line = _module_and_line(inspect.currentframe().f_back)
     where = _module_path(root, owner)
     at = f" at {line[0]}:{line[1]}" if line else ""
     warnings.warn_explicit(
