@@ -134,3 +134,16 @@ def test_the_ladder_is_a_client_of_the_runtime():
             elif isinstance(node, ast.Attribute) and node.attr in _RUNTIME_MEMBERS:
                 offending.append(f"{where}:{node.lineno} reads .{node.attr}")
     assert offending == []
+
+
+def test_no_module_reads_its_callers_frames_by_a_private_name():
+    """No hidden reach (issue 48): nothing in the package finds an object through ``sys._getframe`` (the Fabric plugin
+    once found its strategy so); the stream warning walks the stack from ``inspect.currentframe()`` to name the
+    user's line, as a warning's stacklevel does."""
+    package = pathlib.Path(lightning_amp.__file__).parent
+    reaching = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "_getframe":
+                reaching.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not reaching, reaching
