@@ -25,7 +25,7 @@ GPU_CHECK_OUT ?= gpu-check-out
 GPU_CHECK_BUDGET ?=
 PART ?=
 
-.PHONY: install test test-fast test-slow bench bench-docs pictures docs clean gpu-check
+.PHONY: install test test-fast test-slow test-post bench bench-docs pictures docs clean gpu-check
 
 install: $(STAMP)
 
@@ -47,16 +47,22 @@ $(STAMP): $(SOURCES)
 # GPU machine) fails the run instead of skipping every compiled-kernel test.
 PYTEST := LIGHTNING_AMP_REQUIRE_EXT=1 $(PY) -m pytest -q
 
-# test: the whole suite. test-fast: the tests not marked slow (minutes on 2 cores; every test module keeps some),
-# test-slow: the others; the two lanes together are the whole suite (docs/architecture.md, Tests).
+# test: the suite but the post-suite checks (under 15 minutes on 2 cores). test-fast: its tests not marked slow
+# (minutes; every test module keeps some), test-slow: its others; the two lanes together are make test.
+# test-post: the checks marked post_suite (the docs' blocks, the examples and the sdist's first-use build, each
+# run as a user runs it, in fresh processes), which CI runs after the suite, cached (.ci/post-suite); make test
+# and make test-post together are the whole suite (docs/architecture.md, Tests).
 test: install
-	$(PYTEST) $(PYTEST_ARGS) tests
+	$(PYTEST) -m "not post_suite" $(PYTEST_ARGS) tests
 
 test-fast: install
-	$(PYTEST) -m "not slow" $(PYTEST_ARGS) tests
+	$(PYTEST) -m "not slow and not post_suite" $(PYTEST_ARGS) tests
 
 test-slow: install
-	$(PYTEST) -m slow $(PYTEST_ARGS) tests
+	$(PYTEST) -m "slow and not post_suite" $(PYTEST_ARGS) tests
+
+test-post: install
+	$(PYTEST) -m post_suite $(PYTEST_ARGS) tests
 
 bench: install
 	$(VENV)/bin/lightning-amp bench --out bench-out

@@ -128,6 +128,7 @@ def test_every_page_on_disk_is_read_with_each_of_its_blocks():
 
 
 @pytest.mark.slow
+@pytest.mark.post_suite
 @pytest.mark.parametrize("code", blocks("python"))
 def test_python_block_runs_as_written(code, tmp_path):
     unmet = unmet_needs(code)
@@ -156,6 +157,7 @@ def test_a_block_that_fails_or_hangs_fails_and_is_never_skipped(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.post_suite
 def test_a_block_that_asserts_on_unseeded_draws_fails_under_some_global_seed(tmp_path):
     """The seeded runs catch a block whose check depends on what the global generators drew (here: a
     positive draw, about one seed in two); the same block seeding itself passes under every seed."""
@@ -167,6 +169,7 @@ def test_a_block_that_asserts_on_unseeded_draws_fails_under_some_global_seed(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.post_suite
 def test_a_block_that_starts_ranks_is_killed_with_them_past_its_time(tmp_path):
     code = ("import subprocess, sys, time\n"
             "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"

@@ -182,6 +182,7 @@ def test_bad_arguments_are_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.post_suite
 def test_script_runs_alone_with_the_documented_command():
     command = [sys.executable, str(EXAMPLES / "bert_sentiment.py"), "--opt-level", "O2", "--dtype", "bfloat16",
                "--max-steps", "4", "--size", "tiny", "--log-every", "2", "--accelerator", "cpu"]
@@ -192,6 +193,7 @@ def test_script_runs_alone_with_the_documented_command():
 
 
 @pytest.mark.slow
+@pytest.mark.post_suite
 def test_bert_example_runs_tensor_parallel_on_two_processes():
     env = _single_thread_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     command = [sys.executable, str(EXAMPLES / "bert_sentiment.py"), "--opt-level", "O2", "--dtype", "bfloat16",

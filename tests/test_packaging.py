@@ -46,6 +46,7 @@ def unpacked_sdist(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.mark.slow
+@pytest.mark.post_suite
 def test_sdist_holds_every_source_and_no_build(unpacked_sdist):
     shipped = {str(p.relative_to(unpacked_sdist)) for p in unpacked_sdist.rglob("*") if p.is_file()}
     sources = _tracked_sources()
@@ -91,6 +92,7 @@ def test_the_gpu_check_tooling_is_in_no_wheel():
 
 
 @pytest.mark.slow
+@pytest.mark.post_suite
 def test_unpacked_sdist_builds_at_first_import_and_caches(unpacked_sdist, tmp_path):
     """The bare unpacked sdist (no prebuilt extension) imported twice with an empty cache: the first
     import compiles (CPU, -O0 to keep it short) and runs the compiled kernels, the second loads that build."""
