@@ -1,5 +1,6 @@
 """The test lanes from measured durations: which tests a ``--durations=0`` run found over the slow threshold but are
-not marked ``slow`` (and the reverse), each lane's summed time, and the slowest tests.
+not marked ``slow`` (and the reverse), each lane's summed time (``make test``'s fast and slow lanes, and the post-suite
+lane: the tests marked ``post_suite``, which ``make test`` leaves out and need no ``slow`` mark), and the slowest tests.
 
     python -m pytest -q -p no:randomly --durations=0 --durations-min=0 tests > durations.txt   # the whole suite
     python benchmarks/lane_durations.py durations.txt [--threshold 3] [--top 30]
@@ -62,18 +63,19 @@ def main(argv=None) -> int:
         sys.exit(f"{args.durations}: no --durations lines")
     cost = {test: p.get("setup", 0.0) + p.get("call", 0.0) for test, p in phases.items()}
     total = {test: sum(p.values()) for test, p in phases.items()}
-    everything, slow = collected(), collected("-m", "slow")
+    everything, post = collected(), collected("-m", "post_suite")
+    slow = collected("-m", "slow") - post
     gone = sorted((t for t in cost if t not in everything), key=cost.get, reverse=True)
-    unmarked = sorted((t for t in cost if cost[t] > args.threshold and t in everything and t not in slow
+    unmarked = sorted((t for t in cost if cost[t] > args.threshold and t in everything and t not in slow | post
                        and t not in KEPT_FAST), key=cost.get, reverse=True)
     light = sorted((t for t in slow if t in cost and cost[t] <= args.threshold), key=cost.get, reverse=True)
-    lanes = {"fast": everything - slow, "slow": slow}
+    lanes = {"fast": everything - slow - post, "slow": slow, "post-suite (make test-post)": post}
     for lane, tests in lanes.items():
         print(f"{lane} lane: {len(tests)} tests collected; {sum(total.get(t, 0.0) for t in tests):.0f} s summed over "
               f"those measured")
     print(f"\nthe {args.top} slowest (setup + call):")
     for test in sorted(cost, key=cost.get, reverse=True)[:args.top]:
-        lane = "gone" if test not in everything else "slow" if test in slow else "FAST"
+        lane = "gone" if test not in everything else "post" if test in post else "slow" if test in slow else "FAST"
         print(f"  {cost[test]:8.2f} s  {lane}  {test}")
     print(f"\nmarked slow, measured at or under {args.threshold} s (a shared fixture, or marks to drop): {len(light)}")
     for test in light:
