@@ -16,14 +16,12 @@ report is logged on rank 0 after step 2 and kept as :attr:`TensorParallelStrateg
 """
 from __future__ import annotations
 
-import atexit
 from typing import Any, Callable, Optional
 
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_amp.group_exit import destroy_group_at_exit
 from lightning_amp.parallel.already_parallel import refuse_already_parallel
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.report import PlanReport
@@ -136,11 +134,3 @@ def conversion_report(runtime: TensorParallelRuntime, data_parallel_size: int) -
     """The sizes and the plan report logged on rank 0 after the plan was applied."""
     return (f"tp_fused: tensor_parallel_size={runtime.groups.tp_size}, data_parallel_size={data_parallel_size}\n"
             + runtime.report.format())
-
-
-def destroy_group_at_exit() -> None:
-    """Destroy the process groups at exit for every backend (Lightning registers this for NCCL only; a gloo
-    group left to interpreter finalization can abort a finished worker). Registered once."""
-    if dist.is_initialized() and dist.get_backend() != "nccl":
-        atexit.unregister(_destroy_dist_connection)
-        atexit.register(_destroy_dist_connection)

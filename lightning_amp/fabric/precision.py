@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_amp.amp.module_cast import cast_floating
 from lightning_amp.amp.runtime import named_params
 from lightning_amp.amp.step import OptimizerStep
+from lightning_amp.group_exit import destroy_group_at_exit
 from lightning_amp.plugin_base import AmpPluginBase, level_classes, plugin_name
 from lightning_amp.unsupported import refuse_strategy
 
@@ -91,6 +92,7 @@ class FabricAmpPrecision(AmpPluginBase, Precision):
             raise TypeError(f"{type(self).__name__} is a Lightning Fabric plugin; with the Trainer use "
                             f"lightning_amp.{name}(...): `Trainer(plugins=[{name}()])`.")
         self.hold_lightning_changes()
+        destroy_group_at_exit()  # a gloo group of Fabric's DDP strategies: Lightning destroys NCCL's only
         if not self.prepared_by_strategy:
             self.prepare(module)
         return module

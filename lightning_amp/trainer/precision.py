@@ -56,6 +56,7 @@ from lightning_amp.amp.gate import make_scheduler_skip_aware
 from lightning_amp.amp.param_views import optimizer_params
 from lightning_amp.amp.runtime import named_params
 from lightning_amp.amp.process_state import ProcessChange
+from lightning_amp.group_exit import destroy_group_at_exit
 from lightning_amp.plugin_base import (CONNECTORS_CHANGE, THROUGHPUT_CHANGE, AmpPluginBase, former_name, level_classes,
                                        plugin_name)
 from lightning_amp.unsupported import refuse_strategy
@@ -97,6 +98,7 @@ class AmpPrecision(AmpPluginBase, Precision):
             )
         refuse_strategy(self, trainer.strategy)
         self.hold_lightning_changes()
+        destroy_group_at_exit()  # a gloo group of Lightning's DDP/FSDP2 strategies: Lightning destroys NCCL's only
         self.amp.resolve_for(trainer.strategy.root_device.type)
         self.amp.prepare(module, fsdp2=isinstance(trainer.strategy, ModelParallelStrategy))
         if self.properties.cast_model and not self.properties.fp32_params:
