@@ -14,6 +14,7 @@ import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import ColumnParallelLinear, ParallelMultiheadAttention, RowParallelLinear, apply_plan
 from lightning_amp.trainer.strategy import TensorParallelStrategy
 from support.processes import free_port
+from support.trainer import DestroyGroupAtTeardown
 
 VOCAB, SEQ, D, HEADS, FF = 24, 6, 16, 4, 32
 
@@ -153,7 +154,8 @@ def test_tp1_dp2_matches_ddp_with_accumulation(tmp_path):
     ddp, ours = tmp_path / "ddp", tmp_path / "ours"
     ddp.mkdir(), ours.mkdir()
     kwargs = dict(steps=8, accumulate_grad_batches=2, model_kwargs=dict(optimizer="adam", lr=0.01))
-    ref = fit(ddp, "ddp_spawn", 2, **dict(kwargs, model_kwargs=dict(kwargs["model_kwargs"])))
+    ref = fit(ddp, "ddp_spawn", 2, callbacks=[DestroyGroupAtTeardown()],
+              **dict(kwargs, model_kwargs=dict(kwargs["model_kwargs"])))
     got = fit(ours, TensorParallelStrategy(tensor_parallel_size=1, start_method="spawn"), 2, **kwargs)
     assert len(ref) == len(got) == 15  # 15 batches/rank: 7 accumulated pairs + 1 single at epoch end
     assert _rel(got, ref) < 1e-5, f"TP=1 x DP=2 vs DDP: {got[:4]} vs {ref[:4]}"

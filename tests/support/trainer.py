@@ -27,6 +27,18 @@ class LossRecorder(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class DestroyGroupAtTeardown(L.Callback):
+    """Destroys the process group of a run under one of Lightning's own DDP strategies on gloo when the Trainer's
+    teardown hooks run (after the strategy's teardown, the last collective): Lightning destroys a group at exit for
+    NCCL only, and a spawned rank that leaves a gloo group to Python's finalization can abort after its work is done
+    (SIGABRT, see :mod:`support.scripts`). Not for ``tp_fused``, whose launcher still gathers after teardown and
+    destroys its groups itself."""
+
+    def teardown(self, trainer, pl_module, stage):
+        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+            torch.distributed.destroy_process_group()
+
+
 def assert_same_weights(got: torch.nn.Module, want: torch.nn.Module) -> None:
     """Every entry of ``got``'s state dict equals ``want``'s, in order, bit for bit."""
     for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
