@@ -32,7 +32,9 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optio
 import torch
 from torch import Tensor
 
-_GATES: "weakref.WeakKeyDictionary[Any, StepGate]" = weakref.WeakKeyDictionary()
+#: optimizer -> its gate, both held weakly: the gate lives as long as the step that owns it (and its ``on_skip``, which
+#: holds the optimizer), so nothing here keeps an optimizer, its params or the plugin alive after a run
+_GATES: "weakref.WeakKeyDictionary[Any, weakref.ref[StepGate]]" = weakref.WeakKeyDictionary()
 
 LAG_ENV = "LIGHTNING_AMP_SIMULATE_DEVICE_LAG"
 _lag_override: Optional[int] = None
@@ -105,7 +107,7 @@ class StepGate:
         the deferred scheduler calls first (they write the ``lr`` that state holds)."""
         if optimizer not in _GATES:
             optimizer.register_state_dict_pre_hook(_settle_before_state_dict)
-        _GATES[optimizer] = self
+        _GATES[optimizer] = weakref.ref(self)
 
     def record(self, found_inf: Tensor, flags: Optional[Tensor] = None, context: Any = None) -> None:
         """After a step: start the non-blocking copy of its ``found_inf`` (0-dim) and ``flags`` (1-dim,
@@ -174,7 +176,9 @@ class StepGate:
 
 
 def gate_of(optimizer: Any) -> Optional[StepGate]:
-    return _GATES.get(getattr(optimizer, "_optimizer", optimizer))
+    """The gate of ``optimizer``'s step (of the optimizer a Lightning wrapper holds), None when none is alive."""
+    ref = _GATES.get(getattr(optimizer, "_optimizer", optimizer))
+    return None if ref is None else ref()
 
 
 def _settle_before_state_dict(optimizer: Any) -> None:

@@ -247,3 +247,49 @@ def test_an_apply_that_fails_leaves_nothing_held():
         assert change.holders == 0
     finally:
         del process_state.CHANGES["a failing change"]
+
+
+@pytest.mark.parametrize("level", ["O2", "auto"])
+def test_a_finished_run_keeps_nothing_of_it_alive(level):
+    """Once the user drops them, the model, the optimizer (its params and state) and the plugin of a finished run are
+    collected, so the plugin's holds on Lightning's objects are given back: the step gate of each optimizer (what a
+    skip-aware scheduler consults) is held weakly. Former code: the global map of gates held each gate strongly, and a
+    gate's skip callback held its optimizer, so every Fabric run stayed in memory and its plugin's hold counted on."""
+    import weakref
+
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_amp.amp.gate import gate_of, make_scheduler_skip_aware
+    from lightning_amp.fabric import FabricAmpPrecision
+
+    def fabric_run():
+        plugin = FabricAmpPrecision(opt_level=level)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        make_scheduler_skip_aware(scheduler)
+        wrapped_model, wrapped_optimizer = fabric.setup(model, optimizer)
+        for _ in range(2):
+            fabric.backward(wrapped_model(torch.randn(3, 4)).float().sum())
+            wrapped_optimizer.step()
+            scheduler.step()
+        assert gate_of(optimizer) is not None  # consulted during the run
+        return [weakref.ref(o) for o in (plugin, model, optimizer)]
+
+    def trainer_run():
+        plugin = AmpPrecision(level, **({} if level == "auto" else {"dtype": "bfloat16"}))
+        model = BoringModel()
+        trainer = L.Trainer(accelerator="cpu", max_steps=2, plugins=[plugin], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        with quiet_lightning():
+            trainer.fit(model)
+        return [weakref.ref(o) for o in (plugin, model, trainer.optimizers[0])]
+
+    gc.collect()
+    before = _active_beyond_live_plugins()
+    for run in (fabric_run, trainer_run):
+        refs = run()
+        gc.collect()
+        assert [ref() for ref in refs] == [None] * 3, run.__name__
+        assert _active_beyond_live_plugins() == before
