@@ -249,8 +249,7 @@ def test_an_apply_that_fails_leaves_nothing_held():
         del process_state.CHANGES["a failing change"]
 
 
-@pytest.mark.parametrize("level", ["O2", "auto"])
-def test_a_finished_run_keeps_nothing_of_it_alive(level):
+def test_a_finished_run_keeps_nothing_of_it_alive(level="auto"):  # "auto": its ladder watches the gates too
     """Once the user drops them, the model, the optimizer (its params and state) and the plugin of a finished run are
     collected, so the plugin's holds on Lightning's objects are given back: the step gate of each optimizer (what a
     skip-aware scheduler consults) is held weakly. Former code: the global map of gates held each gate strongly, and a
