@@ -4,8 +4,8 @@ A gloo group left to Python's finalization can abort a rank that finished its wo
 without an active exception"): torch's gloo worker thread (``pt_gloo_runloop``, ``ProcessGroupGloo::runLoop``) drops
 the last reference to a finished collective, whose tensors release their Python objects under the GIL; a
 finalizing Python ends such a thread instead of handing it the GIL (``pthread_exit``), and the forced unwind through
-the work's ``noexcept`` destructor calls ``std::terminate``. Plain torch does it too (2 spawned ranks, one
-all-reduce, no ``destroy_process_group``: 2 of 12 runs aborted here, 0 of 12 with it; benchmarks/RESULTS.md,
+the work's ``noexcept`` destructor calls ``std::terminate``. Plain torch does it too (2 spawned ranks, ten
+all-reduces, no ``destroy_process_group``: 9 of 36 runs lost a rank here, 0 of 36 with it; benchmarks/RESULTS.md,
 "Issue 48 (2026-11-29, session 2)"). Our Trainer and Fabric plugins and ``tp_fused`` call
 :func:`destroy_group_at_exit` once a group exists (a plugin when it casts the model, the strategy when it built its
 groups), so a run under Lightning's DDP/``ddp_spawn``/FSDP2 strategies on the CPU exits cleanly with a plugin of ours.
