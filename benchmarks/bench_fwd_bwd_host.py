@@ -8,14 +8,10 @@ is negligible, so what is timed is what each precision adds per forward and back
   weight per forward inside autocast, and of every grad back in backward);
 * ``O2``: O2's forward context as shipped (:func:`lightning_amp.amp.forward.forward_context`: autocast,
   O1's cast context, O2's op policy registered and active);
-* ``O2 casts``: O2 with the Parameters read through autocast's cast at every forward instead of their half
-  copies (``o2_policy.set_half_copies(False)``);
 * ``O2 fp32 lists``: the same with ``norm_policy="fp32"`` (no op policy).
 
 Configurations are interleaved round after round; the median CPU time of the thread per
-forward+backward is printed with its ratio to ``bf16-true``, and below it each configuration's dtype casts per
-forward+backward, counted on one more after the timing (a ``TorchDispatchMode``): ``_to_copy`` (a new tensor; under
-grad mode with an autograd node) and cross-dtype ``copy_`` (a half copy rewritten in place)::
+forward+backward is printed with its ratio to ``bf16-true``::
 
     python benchmarks/bench_fwd_bwd_host.py [--rounds 30] [--reps 10]
 """
@@ -31,7 +27,6 @@ import time
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.amp.forward import forward_context
@@ -57,35 +52,16 @@ def _configs():
             loss = fp32(x).float().square().mean()
         loss.backward()
 
-    def o2_forward(norm_policy, copies=True):
+    def o2_forward(norm_policy):
         props = resolve_properties("O2", dtype=HALF, norm_policy=norm_policy)
 
         def run():
-            previous = o2_policy.set_half_copies(copies)
             with forward_context(props, "cpu"):
                 loss = o2(x).float().square().mean()
             loss.backward()
-            o2_policy.set_half_copies(previous)
         return run
 
-    return {"bf16-true": true, "bf16-mixed": mixed, "O2": o2_forward("half"), "O2 casts": o2_forward("half", False),
-            "O2 fp32 lists": o2_forward("fp32")}
-
-
-class _CastCounter(TorchDispatchMode):
-    """Counts ``_to_copy`` and cross-dtype ``copy_`` calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.to_copy = self.copy_ = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and out.dtype != args[0].dtype:
-            self.to_copy += 1
-        elif func is torch.ops.aten.copy_.default and args[0].dtype != args[1].dtype:
-            self.copy_ += 1
-        return out
+    return {"bf16-true": true, "bf16-mixed": mixed, "O2": o2_forward("half"), "O2 fp32 lists": o2_forward("fp32")}
 
 
 def main(argv=None) -> int:
@@ -103,13 +79,6 @@ def main(argv=None) -> int:
                 start = time.thread_time()
                 run()
                 times[name].append(time.thread_time() - start)
-    casts = {}
-    for name, run in configs.items():
-        run()  # as in a timed repetition: the copies of the run before are in place
-        counter = _CastCounter()
-        with counter:
-            run()
-        casts[name] = f"{counter.to_copy} + {counter.copy_}"
     policy.release()
     med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     print(f"{LAYERS} x Linear({WIDTH},{WIDTH}), batch {BATCH}, bf16, 1 thread, forward+backward, median of "
@@ -118,8 +87,6 @@ def main(argv=None) -> int:
     print("".join(f"{name:>22}" for name in med))
     base = med["bf16-true"]
     print("".join(f"{f'{ms:.2f} ms ({ms / base:.2f}x)':>22}" for ms in med.values()))
-    print("casts per forward+backward (_to_copy + cross-dtype copy_):")
-    print("".join(f"{casts[name]:>22}" for name in med))
     return 0
 
 

@@ -11,9 +11,8 @@ a shared machine do not move; ``--clock wall`` times elapsed time:
     python benchmarks/bench_host_cost.py --dtype float16       # fp16: O1/O2 use dynamic loss scaling
     python benchmarks/bench_host_cost.py --rounds 5 --steps 200
 
-Columns: ``{h}-true`` (Lightning's pure half), O3, O2, ``O2 casts`` (O2 reading every fp32 Parameter through
-autocast's cast per forward instead of its half copy: ``o2_policy.set_half_copies(False)``), ``{h}-mixed``
-(Lightning's autocast), O1. Ratios: O3, O2 and ``O2 casts`` against ``{h}-true``, O1 against ``{h}-mixed``.
+Columns: ``{h}-true`` (Lightning's pure half), O3, O2, ``{h}-mixed`` (Lightning's autocast), O1.
+Ratios: O3 and O2 against ``{h}-true``, O1 against ``{h}-mixed``.
 """
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ from torch import nn
 
 import lightning as L
 from lightning_amp import AmpPrecision
-from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.optimizers import FusedAdam
 
 LAYERS, WIDTH, BATCH = 101, 32, 8
@@ -74,18 +72,14 @@ def _one_run(config: str, optimizer: str, dtype: str, steps: int, warmup: int, c
     if config in ("true", "mixed"):
         precision, plugins = f"{half}-{config}", []
     else:
-        precision, plugins = None, [AmpPrecision(config.split()[0], dtype=dtype)]
+        precision, plugins = None, [AmpPrecision(config, dtype=dtype)]
     timer = _Timer(warmup, clock)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn((steps + warmup) * BATCH, WIDTH)),
                                        batch_size=BATCH)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps + warmup, precision=precision, plugins=plugins,
                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
                         enable_model_summary=False, callbacks=[timer])
-    copies = o2_policy.set_half_copies(config != "O2 casts")
-    try:
-        trainer.fit(_Deep(optimizer), data)
-    finally:
-        o2_policy.set_half_copies(copies)
+    trainer.fit(_Deep(optimizer), data)
     return timer.times
 
 
@@ -104,7 +98,7 @@ def main(argv=None) -> int:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     half = "bf16" if args.dtype == "bfloat16" else "16"
-    configs = ["true", "O3", "O2", "O2 casts", "mixed", "O1"]
+    configs = ["true", "O3", "O2", "mixed", "O1"]
     optimizers = [o for o in args.optimizers.split(",") if o]
     times = {(o, c): [] for o in optimizers for c in configs}
     for _ in range(args.rounds):
@@ -119,7 +113,7 @@ def main(argv=None) -> int:
     print(f"{'optimizer':<22}" + "".join(f"{names.get(c, c):>18}" for c in configs))
     for o in optimizers:
         med = {c: 1e3 * statistics.median(times[(o, c)]) for c in configs}
-        base = {"O3": med["true"], "O2": med["true"], "O2 casts": med["true"], "O1": med["mixed"]}
+        base = {"O3": med["true"], "O2": med["true"], "O1": med["mixed"]}
         cells = [f"{med[c]:.2f} ms" + (f" ({med[c] / base[c]:.2f}x)" if c in base else "") for c in configs]
         label = "FusedAdam" if o == "fused" else "torch AdamW(foreach)"
         print(f"{label:<22}" + "".join(f"{cell:>18}" for cell in cells))

@@ -207,10 +207,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("o2_enter_forward", &lamp::o2::enter_forward);
   m.def("o2_exit_forward", &lamp::o2::exit_forward);
   m.def("o2_active", &lamp::o2::active);
-  m.def("o2_new_epoch", &lamp::o2::new_epoch);
-  m.def("o2_set_half_copies", &lamp::o2::set_half_copies, py::arg("enabled"));
-  m.def("o2_half_copies_enabled", &lamp::o2::half_copies_enabled);
-  m.def("o2_half_copies", &lamp::o2::half_copies);
   m.def("o2_share_begin", &lamp::o2::share_begin);
   m.def("o2_share_join", &lamp::o2::share_join, py::arg("token"));
   m.def("o2_share_end", &lamp::o2::share_end);

@@ -24,6 +24,9 @@
 //     arithmetic). A value rounded for a tensor that requires no grad (a mask) saturates at the half
 //     dtype's finite range. A full-size fp32 activation (an explicit upcast, an fp32 residual) keeps
 //     torch's promotion, and that promotion is reported once per arming (set_promotion_reporter);
+//   * torch's lower-precision list (matmuls, convolutions): half, as torch's rule; an fp32 tensor that is an
+//     unchanged exact upcast of a half activation (Hugging Face T5's ``h.to(self.wo.weight.dtype)``, noted by the
+//     _to_copy kernel) is read as that activation: the same values, no second half copy saved;
 //   * losses stay fp32: torch's fp32 list keeps them (they are not registered here), and CUDA's
 //     cross_entropy_loss, which torch lets decompose into log_softmax and nll_loss, runs whole in fp32.
 // Elsewhere (policy not active on the thread: bf16-mixed or O1 in the same process, another thread,
@@ -47,7 +50,6 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <limits>
@@ -56,7 +58,6 @@
 #include <sstream>
 #include <mutex>
 #include <string>
-#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -74,8 +75,8 @@ inline bool policy_active() {
   return token != 0 && token == g_live_share.load(std::memory_order_relaxed);
 }
 
-enum class Rule { as_is, follow_input, half_output, to_fp32, half_weights, note_upcast, stream_add, stream_sub, stream_mul, stream_div,
-                  stream_where, stream_list, batch_norm };
+enum class Rule { as_is, follow_input, half_output, to_fp32, half_inputs, note_upcast, stream_add, stream_sub,
+                  stream_mul, stream_div, stream_where, stream_list, batch_norm };
 // torch's own policy for an op on a key
 enum class Torch { fallthrough, fp32, fp32_set_opt_dtype, promote, lower_precision_fp };
 
@@ -279,29 +280,6 @@ at::Tensor to_stream(const at::Tensor& f, at::ScalarType half) {
   return out;
 }
 
-
-// ---- half copies of the fp32 Parameters (docs/o2-design.md, "Half copies of the Parameters")
-// Under autocast every op that reads an fp32 Parameter casts it: an allocation, a copy and an autograd node per
-// Parameter per forward. Inside O2's forward the policy's kernels read a Parameter through its half copy instead:
-// a half tensor made once by the autograd cast (its grad_fn leads to the Parameter's AccumulateGrad, so grads,
-// hooks, DDP and torch.autograd.grad see the fp32 Parameter as under autocast) and kept here. Each epoch (a forward
-// region, or the time after an optimizer step) the Parameter's first read rewrites its copy in place (one copy
-// kernel, no allocation, no new node) and reads it; a later read in the same epoch is torch's cast, so a write
-// between two reads is always seen and two reads' grads are summed in fp32 by AccumulateGrad, as under autocast. A
-// copy that something else holds (a graph saved it: use_count > 1) is never rewritten: that read is torch's cast,
-// which becomes the copy.
-struct HalfCopy {
-  at::Tensor half;                                // the copy (requires grad, grad_fn to the Parameter)
-  c10::weak_intrusive_ptr<c10::TensorImpl> param;  // the Parameter: kept alive by the copy's graph only
-  uint64_t epoch;                                 // the epoch it was last read in
-};
-
-std::mutex g_copies_mutex;  // guards g_copies and g_sweep_at
-std::unordered_map<c10::TensorImpl*, HalfCopy> g_copies;
-size_t g_sweep_at = 64;
-std::atomic<uint64_t> g_epoch{1};
-std::atomic<bool> g_copies_enabled{true};
-
 // A plain dense tensor (no tensor subclass, functorch wrapper, functional or fake tensor, symbolic shape), outside
 // inference mode.
 inline bool plain(const at::Tensor& t) {
@@ -313,13 +291,6 @@ inline bool plain(const at::Tensor& t) {
          !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && !c10::InferenceMode::is_enabled();
 }
 
-// A trained fp32 Parameter, plain: the tensors a copy may stand for.
-template <c10::DeviceType dev>
-inline bool copy_eligible(const at::Tensor& t) {
-  return g_copies_enabled.load(std::memory_order_relaxed) && is_fp32<dev>(t) && t.is_leaf() && t.requires_grad() &&
-         plain(t);
-}
-
 // ---- exact upcasts of half activations (T5's feed-forward: ``h.to(self.wo.weight.dtype)``, fp32 under O2)
 // Inside O2's forward an fp32 tensor made by ``_to_copy`` from a half activation of the same shape is noted (weak
 // references, this thread, this forward region); a half op that reads it while neither tensor was written since
@@ -328,7 +299,7 @@ inline bool copy_eligible(const at::Tensor& t) {
 // tensor has no other reader).
 struct Upcast {
   c10::weak_intrusive_ptr<c10::TensorImpl> out, source;
-  uint32_t out_version, source_version;
+  int64_t out_version, source_version;
 };
 thread_local std::unordered_map<c10::TensorImpl*, Upcast> t_upcasts;
 
@@ -357,54 +328,15 @@ inline at::Tensor upcast_source(const at::Tensor& t, at::ScalarType half) {
   return half_tensor;
 }
 
-// Drops the copies of Parameters nothing but the copy's own graph keeps alive (a tensor made leaf per step, a
-// module replaced); amortised: when the table has doubled since the last sweep. Called with g_copies_mutex held.
-void sweep_copies() {
-  if (g_copies.size() < g_sweep_at) return;
-  for (auto it = g_copies.begin(); it != g_copies.end();) {
-    it = it->second.param.use_count() <= 1 ? g_copies.erase(it) : std::next(it);
-  }
-  g_sweep_at = std::max<size_t>(64, 2 * g_copies.size());
-}
-
-// ``t`` in the half dtype ``half`` as an op inside O2's forward reads it: an eligible Parameter's half copy (above),
-// anything else as torch's autocast casts it.
+// ``t`` in the half dtype ``half`` as a matmul or convolution inside O2's forward reads it: an unchanged exact
+// upcast of a half activation as that activation, anything else as torch's autocast casts it.
 template <c10::DeviceType dev>
 at::Tensor o2_cast(at::ScalarType half, const at::Tensor& t) {
-  if (!copy_eligible<dev>(t)) {
-    if (!t.is_leaf() && is_fp32<dev>(t)) {
-      at::Tensor source = upcast_source(t, half);
-      if (source.defined()) return source;
-    }
-    return cached_cast(half, t, dev);
+  if (!t.is_leaf() && is_fp32<dev>(t)) {
+    at::Tensor source = upcast_source(t, half);
+    if (source.defined()) return source;
   }
-  c10::TensorImpl* key = t.unsafeGetTensorImpl();
-  const uint64_t epoch = g_epoch.load(std::memory_order_relaxed);
-  at::Tensor reusable;
-  {
-    std::lock_guard<std::mutex> lock(g_copies_mutex);
-    auto found = g_copies.find(key);
-    if (found != g_copies.end()) {
-      HalfCopy& copy = found->second;
-      if (copy.epoch == epoch) return t.to(half);  // read before in this epoch: torch's cast
-      if (copy.half.scalar_type() == half && copy.half.sizes().equals(t.sizes()) &&
-          copy.half.strides().equals(t.strides()) && copy.half.device() == t.device() && copy.half.use_count() == 1) {
-        copy.epoch = epoch;
-        reusable = copy.half;
-      }
-    }
-  }
-  if (reusable.defined()) {
-    at::NoGradGuard no_grad;
-    reusable.copy_(t);
-    return reusable;
-  }
-  at::Tensor out = t.to(half);  // the autograd cast: a copy whose grad_fn leads to the Parameter
-  if (!out.requires_grad()) return out;  // grad mode off: nothing to keep
-  std::lock_guard<std::mutex> lock(g_copies_mutex);
-  sweep_copies();
-  g_copies.insert_or_assign(key, HalfCopy{out, c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), epoch});
-  return out;
+  return cached_cast(half, t, dev);
 }
 
 template <c10::DeviceType dev>
@@ -415,17 +347,6 @@ inline std::optional<at::Tensor> o2_cast(at::ScalarType half, const std::optiona
 template <c10::DeviceType dev, class T>
 inline T o2_cast(at::ScalarType, T value) {
   return value;
-}
-
-// A tensor cast to ``to`` by a rule: half copies where ``to`` is a half dtype, torch's cast otherwise.
-template <c10::DeviceType dev, class T>
-inline auto cast_to(at::ScalarType to, const T& value) {
-  if constexpr (std::is_same_v<T, at::Tensor> || std::is_same_v<T, std::optional<at::Tensor>>) {
-    if (to == at::kHalf || to == at::kBFloat16) return o2_cast<dev>(to, value);
-    return T(cached_cast(to, value, dev));
-  } else {
-    return cached_cast(to, value, dev);
-  }
 }
 
 // O2's rule for one op; called with autocast excluded for the device (as torch's own kernels are).
@@ -445,7 +366,7 @@ struct O2Rule<Rule::follow_input, dev, Op> {
   template <class... A>
   static auto call(const at::Tensor& input, const A&... rest) {
     if (input.defined() && at::autocast::is_eligible(input, dev)) {
-      return Op::call(input, cast_to<dev>(input.scalar_type(), rest)...);
+      return Op::call(input, cached_cast(input.scalar_type(), rest, dev)...);
     }
     return Op::call(input, rest...);
   }
@@ -487,10 +408,10 @@ struct O2Rule<Rule::note_upcast, dev, Op> {
   }
 };
 
-// torch's lower-precision list (matmuls, convolutions): every floating argument in the half dtype, an fp32
-// Parameter through its half copy.
+// torch's lower-precision list (matmuls, convolutions): every floating argument in the half dtype, as torch's rule;
+// an exact upcast of a half activation read as that activation (above).
 template <c10::DeviceType dev, class Op>
-struct O2Rule<Rule::half_weights, dev, Op> {
+struct O2Rule<Rule::half_inputs, dev, Op> {
   template <class... A>
   static auto call(const A&... args) {
     const auto half = at::autocast::get_lower_precision_fp_from_device_type(dev);
@@ -595,7 +516,7 @@ struct O2Rule<Rule::batch_norm, dev, Op> {
     const bool has_stats = mean.has_value() && mean->defined();
     const auto t = has_stats ? mean->scalar_type() : input.scalar_type();
     const bool half = t == at::kHalf || t == at::kBFloat16;
-    return Op::call(half ? cached_cast(t, input, dev) : input, cast_to<dev>(t, weight), cast_to<dev>(t, bias),
+    return Op::call(half ? cached_cast(t, input, dev) : input, cached_cast(t, weight, dev), cached_cast(t, bias, dev),
                     mean, var, training, momentum, eps, cudnn);
   }
 };
@@ -656,20 +577,20 @@ void add(torch::Library& lib, bool torch_registers = true) {
   _(group_norm, follow_input, fp32, fallthrough, true)              \
   _(batch_norm, batch_norm, fallthrough, fallthrough, true)         \
   _(embedding, half_output, fallthrough, fallthrough, true)         \
-  _(linear, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(matmul, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(mm, half_weights, lower_precision_fp, lower_precision_fp, true)     \
-  _(addmm, half_weights, lower_precision_fp, lower_precision_fp, true)  \
-  _(bmm, half_weights, lower_precision_fp, lower_precision_fp, true)    \
-  _(baddbmm, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(addbmm, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(conv1d, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(conv2d, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(conv3d, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(conv_transpose1d, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(conv_transpose2d_input, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(conv_transpose3d_input, half_weights, lower_precision_fp, lower_precision_fp, true) \
-  _(prelu, half_weights, lower_precision_fp, lower_precision_fp, true)  \
+  _(linear, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(matmul, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(mm, half_inputs, lower_precision_fp, lower_precision_fp, true)     \
+  _(addmm, half_inputs, lower_precision_fp, lower_precision_fp, true)  \
+  _(bmm, half_inputs, lower_precision_fp, lower_precision_fp, true)    \
+  _(baddbmm, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(addbmm, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv1d, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv2d, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv3d, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv_transpose1d, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv_transpose2d_input, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv_transpose3d_input, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(prelu, half_inputs, lower_precision_fp, lower_precision_fp, true)  \
   _(_to_copy, note_upcast, fallthrough, fallthrough, true)          \
   _(add_Tensor, stream_add, fallthrough, fallthrough, true)         \
   _(sub_Tensor, stream_sub, fallthrough, fallthrough, true)         \
@@ -785,31 +706,7 @@ std::unique_ptr<torch::Library> library_for(c10::DispatchKey key) {
 }  // namespace
 
 void enter_forward() {
-  if (t_depth++ == 0) {  // a forward region begins: each half copy is written again at its first read
-    new_epoch();
-    t_upcasts.clear();
-  }
-}
-
-void new_epoch() { g_epoch.fetch_add(1, std::memory_order_relaxed); }
-
-void set_half_copies(bool enabled) {
-  g_copies_enabled.store(enabled);
-  if (!enabled) clear_half_copies();
-}
-
-bool half_copies_enabled() { return g_copies_enabled.load(); }
-
-int64_t half_copies() {
-  std::lock_guard<std::mutex> lock(g_copies_mutex);
-  return static_cast<int64_t>(g_copies.size());
-}
-
-void clear_half_copies() {
-  std::unordered_map<c10::TensorImpl*, HalfCopy> dropped;  // freed outside the lock (the graphs they end)
-  std::lock_guard<std::mutex> lock(g_copies_mutex);
-  dropped.swap(g_copies);
-  g_sweep_at = 64;
+  if (t_depth++ == 0) t_upcasts.clear();  // a forward region begins: the upcasts noted are of the one before
 }
 
 void exit_forward() {
@@ -865,7 +762,6 @@ void uninstall() {
   if (--g_installs == 0) {
     g_libraries.clear();  // deregisters: torch's own kernels serve again
     g_mode.clear();
-    clear_half_copies();  // nothing of the run is kept: its Parameters are freed with the model
   }
 }
 

@@ -17,18 +17,6 @@ void exit_forward();
 // Whether O2's policy applies on the calling thread now.
 bool active();
 
-// Half copies of the fp32 Parameters read inside O2's forward (o2_policy.cpp): a copy serves while its
-// Parameter is unchanged within one epoch; entering a forward region (the outermost enter_forward) and
-// new_epoch() (called after each optimizer step) begin a new one, where each copy is written again from
-// its Parameter at its first read. set_half_copies(false) reads every Parameter through torch's cast
-// (and drops the copies); half_copies() counts the copies kept; clear_half_copies() drops them (the last
-// uninstall does).
-void new_epoch();
-void set_half_copies(bool enabled);
-bool half_copies_enabled();
-int64_t half_copies();
-void clear_half_copies();
-
 // A backward whose activation-checkpointing recompute may run on another thread (CUDA's autograd
 // thread): share_begin() opens a region, share_join(token) makes the calling thread follow O2's
 // policy while that region is open, share_end() closes it for every thread that joined.

@@ -52,7 +52,7 @@ from lightning_amp.amp.levels import AmpProperties, LossScaleSpec, resolve_prope
 from lightning_amp.amp.module_cast import (cast_floating, cast_module_, cast_outputs_hook, default_dtype,
                                            prepare_o2_module_)
 from lightning_amp.amp.o2 import stream_watch
-from lightning_amp.amp.o2.policy import PolicyHold, held as held_o2_policy, hold as hold_o2_policy, new_epoch
+from lightning_amp.amp.o2.policy import PolicyHold, held as held_o2_policy, hold as hold_o2_policy
 from lightning_amp.amp.recompute import recompute_context
 from lightning_amp.amp.release import release_module_
 from lightning_amp.amp.scaler import SCALER_DEFAULTS, LossScaler, check_scaler_keywords, checked_scaler_options
@@ -343,8 +343,6 @@ class AmpRuntime:
         if laddered:
             self.begin_step(optimizer)
         self.engine.step(optimizer, after_unscale, grads_read, **step_kwargs)
-        if amp_forward.uses_o2_policy(self.properties):
-            new_epoch()  # a forward later in this step (manual optimization) reads the stepped Parameters afresh
         after_step()
         if laddered:
             move = self.ladder.after_step(self._ladder_device())

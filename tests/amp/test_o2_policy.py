@@ -7,6 +7,7 @@ it comes); (3) the table of ops and torch's policy for each matches the torch th
 CUDA's lists are exercised on the CPU through the "cuda-lists-on-cpu" mode.
 """
 import gc
+from contextlib import nullcontext
 import os
 import re
 import threading
@@ -104,6 +105,27 @@ def test_outside_o2_forward_every_kernel_is_torchs(dtype):
         assert registered[name][0] == plain[name][0], name
         assert torch.equal(registered[name][1], plain[name][1]), name
     assert plain["mul param"][0] == torch.float32  # what O2 changes: promotion by an fp32 Parameter
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_inside_o2_forward_matmuls_and_convolutions_are_torchs(dtype, held):
+    """The lower-precision rows (registered for the exact upcasts of tests/amp/test_o2_stream.py): inside O2's
+    forward, with fp32 Parameters and no upcast among the inputs, each op's values, dtype and grads are torch's
+    autocast's bit for bit."""
+    def run(o2):
+        g = _gen(4)
+        x = torch.randn(4, 6, 8, generator=g).to(dtype)
+        cases = matmul_cases(x, g)
+        with torch.autocast("cpu", dtype=dtype, cache_enabled=False), (o2_policy.forward() if o2 else nullcontext()):
+            ys = [fn() for _, fn in cases]
+        sum(y.float().square().sum() for y in ys).backward()
+        params = [c.cell_contents for _, fn in cases for c in fn.__closure__ if isinstance(c.cell_contents, nn.Parameter)]
+        return [y.detach() for y in ys] + [p.grad for p in dict.fromkeys(params)]
+
+    o2, plain = run(True), run(False)
+    assert len(o2) == len(plain) > 20
+    for a, b in zip(o2, plain):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
@@ -337,8 +359,8 @@ def test_the_table_matches_the_installed_torch():
         if on_cpu:  # the kernel on the CPU key reproduces torch's own there
             cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCPU")
             assert cpu_kernel == (cpu_policy != "fallthrough"), (name, cpu_policy)
-            if cpu_policy == "lower_precision_fp":  # matmuls and convolutions: half on both keys (half copies)
-                assert rule == "half_weights" and cuda_policy == "lower_precision_fp", name
+            if cpu_policy == "lower_precision_fp":  # matmuls and convolutions: half on both keys (exact upcasts)
+                assert rule == "half_inputs" and cuda_policy == "lower_precision_fp", name
             elif cpu_policy != "fallthrough":  # torch's CPU list: cat and stack run in the widest dtype
                 assert cpu_policy == "promote" and name in ("aten::cat", "aten::stack"), name
     losses = [name for name, *_ in rows if "loss" in name or "nll" in name]
@@ -346,7 +368,7 @@ def test_the_table_matches_the_installed_torch():
     assert {name for name, rule, *_ in rows if rule.startswith("stream_")} == {
         "aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor", "aten::where.self",
         "aten::cat", "aten::stack"}
-    assert {name for name, rule, *_ in rows if rule == "half_weights"} == {
+    assert {name for name, rule, *_ in rows if rule == "half_inputs"} == {
         f"aten::{op}" for op in ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "addbmm", "conv1d", "conv2d",
                                  "conv3d", "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input",
                                  "prelu")}

@@ -1,5 +1,5 @@
-"""Calls of the ops O2's policy runs in half with fp32 Parameters (torch's lower-precision autocast list), shared by
-the policy's tests and the half copies' tests."""
+"""Calls of the ops of torch's lower-precision autocast list with fp32 Parameters, as models make them (the rows of
+O2's policy registered for exact upcasts: tests/amp/test_o2_policy.py)."""
 import torch
 import torch.nn.functional as F
 from torch import nn

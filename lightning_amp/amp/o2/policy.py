@@ -128,34 +128,6 @@ def forward() -> Iterator[None]:
         ext.o2_exit_forward()
 
 
-def new_epoch() -> None:
-    """Begin a new epoch of the Parameters' half copies: each is written again from its Parameter at its next
-    read (the runtime calls it after every optimizer step; entering a forward region begins one too)."""
-    ext = ops.extension_module()
-    if ext is not None:
-        ext.o2_new_epoch()
-
-
-def set_half_copies(enabled: bool) -> bool:
-    """Whether O2's forward reads the fp32 Parameters through their half copies (True, the default) or through
-    torch's autocast cast at every read (False: a benchmark's and a test's comparison; drops the copies).
-    Process-wide; returns the previous setting. ``enabled``: a bool (else TypeError)."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_half_copies: `enabled` must be a bool; got {enabled!r}")
-    ext = ops.extension_module()
-    if ext is None:
-        return False
-    previous = bool(ext.o2_half_copies_enabled())
-    ext.o2_set_half_copies(enabled)
-    return previous
-
-
-def half_copies() -> int:
-    """How many half copies of Parameters are kept now (0 outside a run: the last release drops them)."""
-    ext = ops.extension_module()
-    return 0 if ext is None else int(ext.o2_half_copies())
-
-
 def active() -> bool:
     """Whether O2's rules apply on the calling thread now."""
     ext = ops.extension_module()
