@@ -24,6 +24,9 @@
 //     arithmetic). A value rounded for a tensor that requires no grad (a mask) saturates at the half
 //     dtype's finite range. A full-size fp32 activation (an explicit upcast, an fp32 residual) keeps
 //     torch's promotion, and that promotion is reported once per arming (set_promotion_reporter);
+//   * torch's lower-precision list (matmuls, convolutions): half, as torch's rule; an fp32 tensor that is an
+//     unchanged exact upcast of a half activation (Hugging Face T5's ``h.to(self.wo.weight.dtype)``, noted by the
+//     _to_copy kernel) is read as that activation: the same values, no second half copy saved;
 //   * losses stay fp32: torch's fp32 list keeps them (they are not registered here), and CUDA's
 //     cross_entropy_loss, which torch lets decompose into log_softmax and nll_loss, runs whole in fp32.
 // Elsewhere (policy not active on the thread: bf16-mixed or O1 in the same process, another thread,
@@ -39,6 +42,7 @@
 #include <ATen/ExpandUtils.h>
 #include <ATen/Operators.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -71,9 +75,10 @@ inline bool policy_active() {
   return token != 0 && token == g_live_share.load(std::memory_order_relaxed);
 }
 
-enum class Rule { as_is, follow_input, half_output, to_fp32, stream_add, stream_sub, stream_mul, stream_div, stream_where,
-                  stream_list, batch_norm };
-enum class Torch { fallthrough, fp32, fp32_set_opt_dtype, promote };  // torch's own policy for an op on a key
+enum class Rule { as_is, follow_input, half_output, to_fp32, half_inputs, note_upcast, stream_add, stream_sub,
+                  stream_mul, stream_div, stream_where, stream_list, batch_norm };
+// torch's own policy for an op on a key
+enum class Torch { fallthrough, fp32, fp32_set_opt_dtype, promote, lower_precision_fp };
 
 using at::autocast::cached_cast;
 
@@ -275,6 +280,75 @@ at::Tensor to_stream(const at::Tensor& f, at::ScalarType half) {
   return out;
 }
 
+// A plain dense tensor (no tensor subclass, functorch wrapper, functional or fake tensor, symbolic shape), outside
+// inference mode.
+inline bool plain(const at::Tensor& t) {
+  constexpr auto wrappers = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                                 c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                                 c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Conjugate,
+                                                 c10::DispatchKey::Negative});
+  return t.layout() == at::kStrided && (t.key_set() & wrappers).empty() && t.has_storage() &&
+         !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && !c10::InferenceMode::is_enabled();
+}
+
+// ---- exact upcasts of half activations (T5's feed-forward: ``h.to(self.wo.weight.dtype)``, fp32 under O2)
+// Inside O2's forward an fp32 tensor made by ``_to_copy`` from a half activation of the same shape is noted (weak
+// references, this thread, this forward region); a half op that reads it while neither tensor was written since
+// reads the half activation itself: the same values (the round trip is exact) and no second half copy that the op
+// would save. Its grad reaches the activation directly instead of through the two casts (exact too when the fp32
+// tensor has no other reader).
+struct Upcast {
+  c10::weak_intrusive_ptr<c10::TensorImpl> out, source;
+  int64_t out_version, source_version;
+};
+thread_local std::unordered_map<c10::TensorImpl*, Upcast> t_upcasts;
+
+inline void note_upcast(const at::Tensor& source, const at::Tensor& out) {
+  if (t_upcasts.size() >= 4096) t_upcasts.clear();  // a bound for a forward region that never ends
+  t_upcasts.insert_or_assign(out.unsafeGetTensorImpl(),
+                             Upcast{c10::weak_intrusive_ptr<c10::TensorImpl>(out.getIntrusivePtr()),
+                                    c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
+                                    out._version(), source._version()});
+}
+
+// The half activation ``t`` is an unchanged exact upcast of, in the dtype ``half``; undefined if none.
+inline at::Tensor upcast_source(const at::Tensor& t, at::ScalarType half) {
+  if (t_upcasts.empty()) return at::Tensor();
+  auto found = t_upcasts.find(t.unsafeGetTensorImpl());
+  if (found == t_upcasts.end()) return at::Tensor();
+  const Upcast& note = found->second;
+  auto out = note.out.lock();
+  auto source = note.source.lock();
+  if (!out || out.get() != t.unsafeGetTensorImpl() || !source) return at::Tensor();
+  at::Tensor half_tensor(std::move(source));
+  if (half_tensor.scalar_type() != half || t._version() != note.out_version ||
+      half_tensor._version() != note.source_version) {
+    return at::Tensor();
+  }
+  return half_tensor;
+}
+
+// ``t`` in the half dtype ``half`` as a matmul or convolution inside O2's forward reads it: an unchanged exact
+// upcast of a half activation as that activation, anything else as torch's autocast casts it.
+template <c10::DeviceType dev>
+at::Tensor o2_cast(at::ScalarType half, const at::Tensor& t) {
+  if (!t.is_leaf() && is_fp32<dev>(t)) {
+    at::Tensor source = upcast_source(t, half);
+    if (source.defined()) return source;
+  }
+  return cached_cast(half, t, dev);
+}
+
+template <c10::DeviceType dev>
+inline std::optional<at::Tensor> o2_cast(at::ScalarType half, const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(o2_cast<dev>(half, *t)) : t;
+}
+
+template <c10::DeviceType dev, class T>
+inline T o2_cast(at::ScalarType, T value) {
+  return value;
+}
+
 // O2's rule for one op; called with autocast excluded for the device (as torch's own kernels are).
 template <Rule rule, c10::DeviceType dev, class Op>
 struct O2Rule;
@@ -317,6 +391,31 @@ struct O2Rule<Rule::to_fp32, dev, Op> {
   template <class... A>
   static auto call(const A&... args) {
     return Op::call(cached_cast(at::kFloat, args, dev)...);
+  }
+};
+
+// _to_copy: as torch's; an exact upcast of a half activation is noted (above, "exact upcasts").
+template <c10::DeviceType dev, class Op>
+struct O2Rule<Rule::note_upcast, dev, Op> {
+  template <class... A>
+  static at::Tensor call(const at::Tensor& self, const A&... rest) {
+    at::Tensor out = Op::call(self, rest...);
+    if (is_half<dev>(self) && is_fp32<dev>(out) && self.requires_grad() && !self.is_leaf() &&
+        out.sizes().equals(self.sizes()) && plain(self)) {
+      note_upcast(self, out);
+    }
+    return out;
+  }
+};
+
+// torch's lower-precision list (matmuls, convolutions): every floating argument in the half dtype, as torch's rule;
+// an exact upcast of a half activation read as that activation (above).
+template <c10::DeviceType dev, class Op>
+struct O2Rule<Rule::half_inputs, dev, Op> {
+  template <class... A>
+  static auto call(const A&... args) {
+    const auto half = at::autocast::get_lower_precision_fp_from_device_type(dev);
+    return Op::call(o2_cast<dev>(half, args)...);
   }
 };
 
@@ -438,9 +537,10 @@ struct Kernel<Op, dev, torch_policy, rule, c10::guts::typelist::typelist<Args...
     if constexpr (torch_policy == Torch::fallthrough) {
       return Op::redispatch(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, autocast_key), args...);
     } else {
-      constexpr auto policy = torch_policy == Torch::fp32      ? at::autocast::CastPolicy::fp32
-                              : torch_policy == Torch::promote ? at::autocast::CastPolicy::promote
-                                                               : at::autocast::CastPolicy::fp32_set_opt_dtype;
+      constexpr auto policy = torch_policy == Torch::fp32                 ? at::autocast::CastPolicy::fp32
+                              : torch_policy == Torch::promote            ? at::autocast::CastPolicy::promote
+                              : torch_policy == Torch::lower_precision_fp ? at::autocast::CastPolicy::lower_precision_fp
+                                                                          : at::autocast::CastPolicy::fp32_set_opt_dtype;
       return at::autocast::WrapFunction<policy, dev, typename Op::schema, typename Op::schema, &Op::call>::type::call(
           args...);
     }
@@ -477,6 +577,21 @@ void add(torch::Library& lib, bool torch_registers = true) {
   _(group_norm, follow_input, fp32, fallthrough, true)              \
   _(batch_norm, batch_norm, fallthrough, fallthrough, true)         \
   _(embedding, half_output, fallthrough, fallthrough, true)         \
+  _(linear, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(matmul, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(mm, half_inputs, lower_precision_fp, lower_precision_fp, true)     \
+  _(addmm, half_inputs, lower_precision_fp, lower_precision_fp, true)  \
+  _(bmm, half_inputs, lower_precision_fp, lower_precision_fp, true)    \
+  _(baddbmm, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(addbmm, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv1d, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv2d, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv3d, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv_transpose1d, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv_transpose2d_input, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(conv_transpose3d_input, half_inputs, lower_precision_fp, lower_precision_fp, true) \
+  _(prelu, half_inputs, lower_precision_fp, lower_precision_fp, true)  \
+  _(_to_copy, note_upcast, fallthrough, fallthrough, true)          \
   _(add_Tensor, stream_add, fallthrough, fallthrough, true)         \
   _(sub_Tensor, stream_sub, fallthrough, fallthrough, true)         \
   _(mul_Tensor, stream_mul, fallthrough, fallthrough, true)         \
@@ -590,7 +705,9 @@ std::unique_ptr<torch::Library> library_for(c10::DispatchKey key) {
 
 }  // namespace
 
-void enter_forward() { ++t_depth; }
+void enter_forward() {
+  if (t_depth++ == 0) t_upcasts.clear();  // a forward region begins: the upcasts noted are of the one before
+}
 
 void exit_forward() {
   TORCH_CHECK(t_depth > 0, "o2_policy: exit_forward without enter_forward on this thread");

@@ -7,6 +7,7 @@ it comes); (3) the table of ops and torch's policy for each matches the torch th
 CUDA's lists are exercised on the CPU through the "cuda-lists-on-cpu" mode.
 """
 import gc
+from contextlib import nullcontext
 import os
 import re
 import threading
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_amp.amp.o2 import policy as o2_policy
+from support.o2_cases import matmul_cases
 
 BF16, F16 = torch.bfloat16, torch.float16
 pytestmark = pytest.mark.skipif(not o2_policy.available(), reason="needs the compiled extension")
@@ -59,7 +61,7 @@ def _cases(dtype):
     ids = torch.randint(0, 10, (4, 6), generator=g)
     fp32_activation = torch.randn(4, 6, 8, generator=g)
     mean, var = torch.randn(6, generator=g), torch.rand(6, generator=g) + 0.5
-    return [
+    return matmul_cases(x, g) + [
         ("layer_norm", lambda: F.layer_norm(x, (8,), w, b)),
         ("native_layer_norm", lambda: torch.native_layer_norm(x, (8,), w, b, 1e-5)[0]),
         ("rms_norm", lambda: F.rms_norm(x, (8,), w)),
@@ -103,6 +105,27 @@ def test_outside_o2_forward_every_kernel_is_torchs(dtype):
         assert registered[name][0] == plain[name][0], name
         assert torch.equal(registered[name][1], plain[name][1]), name
     assert plain["mul param"][0] == torch.float32  # what O2 changes: promotion by an fp32 Parameter
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_inside_o2_forward_matmuls_and_convolutions_are_torchs(dtype, held):
+    """The lower-precision rows (registered for the exact upcasts of tests/amp/test_o2_stream.py): inside O2's
+    forward, with fp32 Parameters and no upcast among the inputs, each op's values, dtype and grads are torch's
+    autocast's bit for bit."""
+    def run(o2):
+        g = _gen(4)
+        x = torch.randn(4, 6, 8, generator=g).to(dtype)
+        cases = matmul_cases(x, g)
+        with torch.autocast("cpu", dtype=dtype, cache_enabled=False), (o2_policy.forward() if o2 else nullcontext()):
+            ys = [fn() for _, fn in cases]
+        sum(y.float().square().sum() for y in ys).backward()
+        params = [c.cell_contents for _, fn in cases for c in fn.__closure__ if isinstance(c.cell_contents, nn.Parameter)]
+        return [y.detach() for y in ys] + [p.grad for p in dict.fromkeys(params)]
+
+    o2, plain = run(True), run(False)
+    assert len(o2) == len(plain) > 20
+    for a, b in zip(o2, plain):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
@@ -304,13 +327,15 @@ def test_the_last_release_leaves_torch_as_it_was_and_bad_modes_are_refused():
 
 
 def _torch_lists():
-    """{op name: policy} of torch's fp32 lists, read from the autocast header of the installed torch."""
+    """{op name: policy} of torch's CUDA autocast lists (lower precision and fp32), read from the autocast header of
+    the installed torch."""
     header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "autocast_mode.h")
     if not os.path.exists(header):
         pytest.skip("torch's headers are not installed")
     text = open(header).read()
     lists = {}
-    for macro, policy in (("AT_FORALL_FP32", "fp32"), ("AT_FORALL_FP32_SET_OPT_DTYPE", "fp32_set_opt_dtype")):
+    for macro, policy in (("AT_FORALL_LOWER_PRECISION_FP", "lower_precision_fp"), ("AT_FORALL_FP32", "fp32"),
+                          ("AT_FORALL_FP32_SET_OPT_DTYPE", "fp32_set_opt_dtype")):
         body = re.search(rf"#define {macro}\(_\)(.*?)\n\n", text, re.S).group(1)
         for name, overload in re.findall(r"_\((\w+)(?:,\s*(\w+))?\)", body):
             lists[f"aten::{name}" + (f".{overload}" if overload else "")] = policy
@@ -334,13 +359,19 @@ def test_the_table_matches_the_installed_torch():
         if on_cpu:  # the kernel on the CPU key reproduces torch's own there
             cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCPU")
             assert cpu_kernel == (cpu_policy != "fallthrough"), (name, cpu_policy)
-            if cpu_policy != "fallthrough":  # torch's CPU list: cat and stack run in the widest dtype
+            if cpu_policy == "lower_precision_fp":  # matmuls and convolutions: half on both keys (exact upcasts)
+                assert rule == "half_inputs" and cuda_policy == "lower_precision_fp", name
+            elif cpu_policy != "fallthrough":  # torch's CPU list: cat and stack run in the widest dtype
                 assert cpu_policy == "promote" and name in ("aten::cat", "aten::stack"), name
     losses = [name for name, *_ in rows if "loss" in name or "nll" in name]
     assert [(name, rule) for name, rule, *_ in rows if name in losses] == [("aten::cross_entropy_loss", "to_fp32")]
     assert {name for name, rule, *_ in rows if rule.startswith("stream_")} == {
         "aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor", "aten::where.self",
         "aten::cat", "aten::stack"}
+    assert {name for name, rule, *_ in rows if rule == "half_inputs"} == {
+        f"aten::{op}" for op in ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "addbmm", "conv1d", "conv2d",
+                                 "conv3d", "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input",
+                                 "prelu")}
     names = {name for name, *_ in rows}
     for upcast_on_purpose in ("aten::nll_loss", "aten::mse_loss", "aten::cosine_similarity", "aten::logsumexp"):
         assert upcast_on_purpose in lists and upcast_on_purpose not in names  # torch's fp32 kernel stays

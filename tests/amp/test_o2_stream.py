@@ -157,6 +157,34 @@ def test_t5_layer_norm_comes_out_half(held):
     assert transformers is not None
 
 
+def test_t5_feed_forward_reads_its_upcast_as_the_half_activation(held):
+    """Hugging Face T5's feed-forward casts its half activation to ``self.wo.weight.dtype`` (the fp32 Parameter's
+    under O2) before ``wo``, which autocast casts back. Inside O2's forward ``wo`` reads the half activation itself:
+    one half tensor saved where torch's casts save two, the same values and grads bit for bit; after an in-place
+    write to the upcast it is read through torch's cast again."""
+    def run(o2, write=False):
+        torch.manual_seed(0)
+        wi, wo = nn.Linear(8, 16), nn.Linear(16, 8)
+        x = torch.randn(4, 8, generator=_gen(7), requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with _o2() if o2 else torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+                h = F.relu(wi(x))  # relu saves its half output
+                up = h.to(wo.weight.dtype)
+                if write:
+                    up.mul_(0.5)
+                y = wo(up)
+        y.float().square().sum().backward()
+        half_saved = {t.data_ptr() for t in saved if t.dtype == BF16 and t.shape == h.shape}
+        return len(half_saved), [y.detach(), x.grad] + [p.grad for p in (*wi.parameters(), *wo.parameters())]
+
+    for write, saved_by_o2 in ((False, 1), (True, 2)):
+        (o2_saved, o2_values), (torch_saved, torch_values) = run(True, write), run(False, write)
+        assert (o2_saved, torch_saved) == (saved_by_o2, 2)
+        for a, b in zip(o2_values, torch_values):
+            assert torch.equal(a, b)
+
+
 def test_a_full_size_fp32_activation_promotes_and_is_reported_once(held):
     """An fp32 activation of the result's full size (an explicit upcast deep in the model) keeps torch's
     promotion, as under bf16-true: O2 keeps what the model's own code makes fp32. It is reported once per
