@@ -36,9 +36,7 @@ struct AdadeltaFunctor {
       load_f32(pv, p, i);
       load_f32(sv, sq, i);
       load_f32(av, acc, i);
-#pragma unroll
-      for (int k = 0; k < K; ++k) gv[k] = gv[k] / scale;
-      if (grad_scale != nullptr) store_f32(g, i, gv);  // the grad left unscaled, as torch's fused kernels
+      unscale_grads(gv, g, i, scale, grad_scale);
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (a.weight_decay != 0.f) gv[k] = fmaf(pv[k], a.weight_decay, gv[k]);

@@ -46,9 +46,7 @@ struct AdamFunctor {
       load_f32(mv, m, i);
       load_f32(vv, v, i);
       if constexpr (kAms) load_f32(second, vmax, i);
-#pragma unroll
-      for (int k = 0; k < K; ++k) gv[k] = gv[k] / scale;
-      if (grad_scale != nullptr) store_f32(g, i, gv);  // the grad left unscaled, as torch's fused kernels
+      unscale_grads(gv, g, i, scale, grad_scale);
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (a.weight_decay != 0.f) {

@@ -89,9 +89,7 @@ struct LambStage1 {
       load_f32(gv, g, i);
       load_f32(mv, m, i);
       load_f32(vv, v, i);
-#pragma unroll
-      for (int k = 0; k < K; ++k) gv[k] = gv[k] / scale;
-      if (grad_scale != nullptr) store_f32(g, i, gv);  // unscaled, not clipped
+      unscale_grads(gv, g, i, scale, grad_scale);  // written back unscaled, not clipped
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         gv[k] = gv[k] / clip;

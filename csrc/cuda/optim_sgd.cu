@@ -38,9 +38,7 @@ struct SgdFunctor {
       if constexpr (kMomentum) {
         if (!a.first_run) load_f32(bv, buf, i);
       }
-#pragma unroll
-      for (int k = 0; k < K; ++k) gv[k] = gv[k] / scale;
-      if (grad_scale != nullptr) store_f32(g, i, gv);  // the grad left unscaled, as torch's fused kernels
+      unscale_grads(gv, g, i, scale, grad_scale);
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (a.weight_decay != 0.f) gv[k] = fmaf(pv[k], a.weight_decay, gv[k]);
