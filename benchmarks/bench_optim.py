@@ -15,7 +15,8 @@ foreach copy of the grads into the fp32 masters' grads, ``torch.amp.GradScaler``
 torch's optimizer unscaling inside its step (fused AdamW reads ``grad_scale``/``found_inf``), and
 the foreach copy of the params out). Lists: ``few-large``
 (4 tensors of 4M elements on cuda, 1M on cpu) and ``many-small`` (10,000 tensors of 1-4k elements).
-The op ``copy`` (``torch._foreach_copy_`` of the list, no torch column) measures the device's copy
+The op ``finite`` is the read-only inf/nan check (``ops.multi_tensor_check_finite``; torch: the foreach
+inf-norm). The op ``copy`` (``torch._foreach_copy_`` of the list, no torch column) measures the device's copy
 bandwidth on the same tensors: the ceiling for the other rows' GB/s.
 
 Where torch ships a kernel ours may hand over to (``lightning_amp/ops/_choice.py``: Adam/AdamW, SGD, the L2
@@ -53,7 +54,7 @@ from lightning_amp.bench.worker import device_description
 
 MODES = ("fp32", "bf16", "master")
 LISTS = ("few-large", "many-small")
-OPS = ("adamw", "sgd", "lamb", "adadelta", "scale", "l2norm", "copy")
+OPS = ("adamw", "sgd", "lamb", "adadelta", "scale", "finite", "l2norm", "copy")
 MASTER_LOSS_SCALE = 1024.0  # the loss scale the grads of mode "master" carry
 
 
@@ -128,7 +129,7 @@ def bytes_per_element(op: str, mode: str) -> int:
         return (w + p + 2 * s) + 2 * s + (w + 2 * s) + w + copy
     if op == "scale":                   # grads in the model dtype -> fp32
         return p + 4
-    if op == "l2norm":
+    if op in ("l2norm", "finite"):    # read only
         return p
     if op == "copy":                    # read and write the list once
         return 2 * p
@@ -201,6 +202,14 @@ def build_cases(kind: str, mode: str, device: str, ops_wanted) -> Iterator[Case]
             torch.stack(torch._foreach_norm(out, float("inf"))).isfinite().all()
         yield Case("scale", mode, lambda: ops.multi_tensor_scale(grads, out, 1 / 1024), torch_scale,
                           "foreach copy+mul+inf-norm", bytes_per_element("scale", mode) * numel)
+    if "finite" in ops_wanted and mode != "master":
+        found = torch.zeros((), device=device)
+
+        def ours_finite():  # the read-only inf/nan check the engine runs on 16-bit grads
+            found.zero_()
+            ops.multi_tensor_check_finite(grads, found)
+        yield Case("finite", mode, ours_finite, lambda: torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all(),
+                   "foreach inf-norm", bytes_per_element("finite", mode) * numel)
     if "l2norm" in ops_wanted and mode != "master":
         yield Case("l2norm", mode, lambda: ops.multi_tensor_l2norm(grads),
                    lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),

@@ -56,7 +56,7 @@ from gpu_check.report import log_path, part_path, verdict_lines, write_report
 from gpu_check.targets import FAIL, part_status
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIM_OPS = "adamw,scale,l2norm,copy"
+OPTIM_OPS = "adamw,lamb,adadelta,scale,finite,l2norm,copy"
 #: seconds a single test may take in the test parts (where pytest-timeout is installed)
 TEST_TIMEOUT_S = 180
 _CHECK_EXT = ("import json, lightning_amp.ops as o; e = o.extension_error(); "
@@ -220,7 +220,7 @@ PLAN = (
     Part("build", _part_build, need_s=30, cap_s=360),
     Part("smoke", _part_smoke, need_s=45, cap_s=150, partial=lambda raw: _json_dict(raw / "smoke.json")),
     Part("bench", _part_bench, need_s=90, cap_s=240, partial=lambda raw: _json_dict(raw / "bench.json")),
-    Part("optim", _part_optim, need_s=20, cap_s=90, partial=lambda raw: {"rows": _json_rows(raw / "optim.json")}),
+    Part("optim", _part_optim, need_s=20, cap_s=150, partial=lambda raw: {"rows": _json_rows(raw / "optim.json")}),
     Part("wgrad", _part_wgrad, need_s=15, cap_s=60, partial=lambda raw: {"rows": _json_rows(raw / "wgrad.json")}),
     _test_part("cuda-tests", "cuda", need_s=30, cap_s=180),
     _test_part("suite", "not cuda", need_s=30, cap_s=None),

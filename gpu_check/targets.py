@@ -370,8 +370,11 @@ def _targets() -> list:
         t.append(Target(f"fused_adam_{mode}_bandwidth", f"FusedAdam {mode} share of copy bandwidth", ">=", 0.85, "%",
                         _of_bandwidth("adamw", mode), "optim"))
     for mode in ("fp32", "bf16"):
-        t.append(Target(f"scale_{mode}_bandwidth", f"multi_tensor_scale {mode} share of copy bandwidth", ">=", 0.85,
-                        "%", _of_bandwidth("scale", mode), "optim"))
+        # our own kernels, where torch has none: 16-byte loads and stores, at the copy's bandwidth
+        for op, name in (("lamb", "FusedLAMB"), ("adadelta", "FusedAdadelta"), ("scale", "multi_tensor_scale"),
+                         ("finite", "multi_tensor_check_finite")):
+            t.append(Target(f"{op}_{mode}_bandwidth", f"{name} {mode} share of copy bandwidth", ">=", 0.85, "%",
+                            _of_bandwidth(op, mode), "optim"))
         t.append(Target(f"l2norm_{mode}_vs_foreach_norm", f"multi_tensor_l2norm {mode} / torch._foreach_norm", "<=",
                         1.0, "x", _vs_torch("l2norm", mode), "optim"))
     for shape in WGRAD_SHAPES:

@@ -14,8 +14,10 @@ The tests are laid out like the package (``tests/amp/``, ``tests/parallel/``, ..
 ``make gpu-check`` tooling that tests/bench/ tests is the package ``gpu_check/`` there, outside the installed
 package (``python -m pytest`` in the root finds it anyway; at the end, it never shadows an installed lightning_amp).
 """
+import getpass
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -76,8 +78,19 @@ def pytest_configure(config):
     ``ATEN_CPU_CAPABILITY=default`` (a plain x86-64 CPU, emulated: the suite runs so in benchmarks/RESULTS.md)
     caps ATen's kernels but not inductor's code generation, which still reads the host's vector ISA and emits
     ``at::vec`` code that the capped headers do not declare (a C++ compile error). On a CPU that has no vector
-    ISA inductor generates scalar loops; ``cpp.simdlen = 1`` makes it do so under the emulation too."""
-    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
+    ISA inductor generates scalar loops; ``cpp.simdlen = 1`` makes it do so under the emulation too.
+
+    Inductor's code for one ``ATEN_CPU_CAPABILITY`` must not be served to another: torch's FX graph cache
+    key leaves the capability out (torch 2.13), so a graph generated for 8-lane vectors under ``avx2`` was
+    reused by the uncapped run (16 lanes: stores past the buffers, glibc aborts with "malloc(): unaligned
+    tcache chunk") and the 16-lane one under ``avx2`` (a training loss of inf: RESULTS.md, "Issue 49, session
+    2"). Each capability, and the host's own ISA, gets its own inductor cache directory unless the user
+    chose one (importing torch sets ``TORCHINDUCTOR_CACHE_DIR`` to its default, shared, directory)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() or "native"
+    shared = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, shared):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{shared}_lightning_amp_tests_{capability}"
+    if capability == "default":
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.simdlen = 1

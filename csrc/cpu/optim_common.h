@@ -38,6 +38,13 @@ inline void store_n(T* p, const VecF& v, int64_t k) {
   for (int64_t j = 0; j < k; ++j) p[j] = static_cast<T>(buf[j]);
 }
 
+// The value store_n(p, v, k) just wrote, read back as fp32: rounded in registers for a whole
+// vector, loaded from p for a tail (the same values, without a load waiting on a store).
+template <typename T>
+inline VecF as_stored(const T* p, const VecF& v, int64_t k) {
+  return k == W ? round_to<T>(v) : load_n(p, k);
+}
+
 inline bool skip_step(const OptTensor& found_inf) {
   return found_inf.has_value() && found_inf->data_ptr<float>()[0] != 0.f;
 }

@@ -99,8 +99,8 @@ at::Tensor lamb_moments(const TensorList& params, const TensorList& grads, const
         store_n(m + i, mv, w);
         store_n(v + i, vv, w);
         if constexpr (!std::is_same_v<P, float>) {  // pass 2 sees the stored (rounded) moments
-          mv = load_n(m + i, w);
-          vv = load_n(v + i, w);
+          mv = as_stored(m + i, mv, w);
+          vv = as_stored(v + i, vv, w);
         }
         const VecF u = k.update(mv, vv, pv, c.tensor);
         p2 = at::vec::fmadd(pv, pv, p2);

@@ -40,7 +40,7 @@ void fused_sgd(const TensorList& params, const TensorList& grads, const TensorLi
         if (use_momentum) {
           VecF bv = h.first_run ? gv : at::vec::fmadd(gv, damp, load_n(buf + i, k) * mom);
           store_n(buf + i, bv, k);
-          if constexpr (!std::is_same_v<P, float>) bv = load_n(buf + i, k);  // the stored momentum, as torch
+          if constexpr (!std::is_same_v<P, float>) bv = as_stored(buf + i, bv, k);  // the stored momentum, as torch
           gv = h.nesterov ? at::vec::fmadd(bv, mom, gv) : bv;
         }
         pv = at::vec::fmadd(gv, neg_lr, pv);

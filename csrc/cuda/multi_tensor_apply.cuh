@@ -11,6 +11,13 @@
 // tensor of list d (all the same numel per t, all on one device, contiguous) and aux[t] an
 // int64 the functor may use per tensor (e.g. its position in the caller's list). The functor
 // is a device callable: functor(meta, args...) run by every thread of every block.
+//
+// Inside a chunk, functors walk their elements with for_each_element and move them with
+// load_f32/store_f32: 16-byte loads and stores of N consecutive elements per thread (N such that
+// the narrowest dtype of the functor's lists fills 16 bytes) when every list's pointer of the
+// chunk's tensor is 16-byte aligned, then the chunk's last (size mod N) elements one at a time; a
+// tensor with an unaligned pointer (a view at an odd offset) is walked one element at a time.
+// Either walk applies the same per-element code, so the results do not depend on the path.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,7 +26,9 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"    // num
@@ -31,6 +40,9 @@ namespace cuda {
 constexpr int64_t kChunkSize = 65536;  // elements per block, as apex's multi_tensor_apply
 constexpr int kBlockSize = 512;
 constexpr int kMaxBlocksPerLaunch = 320;
+
+constexpr int kVecBytes = 16;  // one 128-bit load or store
+static_assert(kChunkSize % (kVecBytes / 2) == 0, "chunk starts must keep 16-byte alignment for 2-byte dtypes");
 
 // Tensor slots per launch by list depth, sized so the metadata stays below 4 KiB.
 template <int Depth>
@@ -63,6 +75,80 @@ __device__ __forceinline__ BlockChunk block_chunk(const TensorListMetadata<Depth
   const int64_t begin = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunkSize;
   const int64_t end = begin + kChunkSize < meta.sizes[t] ? begin + kChunkSize : meta.sizes[t];
   return {t, begin, end};
+}
+
+// Elements per thread and step for lists of dtypes Ts: the narrowest fills 16 bytes (fp32 4, 16-bit 8).
+template <typename... Ts>
+constexpr int vec_width() {
+  size_t narrowest = 16;
+  for (size_t size : {sizeof(Ts)...}) narrowest = size < narrowest ? size : narrowest;
+  return kVecBytes / static_cast<int>(narrowest);
+}
+
+// Whether every list's pointer of the tensor in `slot` is 16-byte aligned. Chunk starts are
+// multiples of kChunkSize elements from it, so then every chunk start is too.
+template <int Depth>
+__device__ __forceinline__ bool slot_aligned(const TensorListMetadata<Depth>& meta, int slot) {
+  bool aligned = true;
+#pragma unroll
+  for (int d = 0; d < Depth; ++d) aligned &= reinterpret_cast<uintptr_t>(meta.addresses[d][slot]) % kVecBytes == 0;
+  return aligned;
+}
+
+template <int K>
+using Width = std::integral_constant<int, K>;
+
+// Calls body(i, Width<K>{}) so that every element of chunk c is handled once, by one thread, as
+// element k of a group [i, i + K): when `aligned`, the chunk's whole N-element groups first (K = N;
+// c.begin + multiples of N, so each group is 16-byte aligned), then the remaining elements with
+// K = 1 (all of the chunk when not `aligned`).
+template <int N, typename Body>
+__device__ __forceinline__ void for_each_element(const BlockChunk& c, bool aligned, Body&& body) {
+  int64_t rest = c.begin;
+  if (aligned) {
+    rest = c.begin + (c.end - c.begin) / N * N;
+    const int64_t stride = static_cast<int64_t>(blockDim.x) * N;
+    for (int64_t i = c.begin + static_cast<int64_t>(threadIdx.x) * N; i < rest; i += stride) body(i, Width<N>{});
+  }
+  for (int64_t i = rest + threadIdx.x; i < c.end; i += blockDim.x) body(i, Width<1>{});
+}
+
+// out[k] = float(src[i + k]), k < K: one plain load for K = 1, else K * sizeof(T) / 16 16-byte
+// loads (src + i must then be 16-byte aligned, as for_each_element guarantees).
+template <int K, typename T>
+__device__ __forceinline__ void load_f32(float (&out)[K], const T* src, int64_t i) {
+  if constexpr (K == 1) {
+    out[0] = static_cast<float>(src[i]);
+  } else {
+    constexpr int kPer = kVecBytes / static_cast<int>(sizeof(T));
+    static_assert(K % kPer == 0, "a group must be whole 16-byte vectors of every list");
+#pragma unroll
+    for (int v = 0; v < K / kPer; ++v) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(src + i + v * kPer);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) out[v * kPer + k] = static_cast<float>(e[k]);
+    }
+  }
+}
+
+// dst[i + k] = T(in[k]), k < K (rounded to nearest even, as a scalar store): as load_f32.
+template <int K, typename T>
+__device__ __forceinline__ void store_f32(T* dst, int64_t i, const float (&in)[K]) {
+  if constexpr (K == 1) {
+    dst[i] = static_cast<T>(in[0]);
+  } else {
+    constexpr int kPer = kVecBytes / static_cast<int>(sizeof(T));
+    static_assert(K % kPer == 0, "a group must be whole 16-byte vectors of every list");
+#pragma unroll
+    for (int v = 0; v < K / kPer; ++v) {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) e[k] = static_cast<T>(in[v * kPer + k]);
+      *reinterpret_cast<uint4*>(dst + i + v * kPer) = raw;
+    }
+  }
 }
 
 template <int Depth, typename Functor, typename... Args>

@@ -1,6 +1,6 @@
 // CUDA multi-tensor scale (with inf/nan flags), finite check (read only) and L2 norm (global and
 // per tensor), each a few multi_tensor_apply launches per call regardless of the number of tensors.
-// fp32 math.
+// fp32 math; the scale and the finite check move 16 bytes per load/store (multi_tensor_apply.cuh).
 // Compiled without --use_fast_math: isfinite must see inf and nan.
 #include <ATen/ATen.h>
 
@@ -25,11 +25,17 @@ struct ScaleFunctor {
     const S* in = static_cast<const S*>(meta.addresses[0][c.tensor]);
     D* out = static_cast<D*>(meta.addresses[1][c.tensor]);
     int bad = 0;
-    for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
-      const float x = static_cast<float>(in[i]);
-      bad |= !isfinite(x);
-      out[i] = static_cast<D>(x * scale);
-    }
+    for_each_element<vec_width<S, D>()>(c, slot_aligned(meta, c.tensor), [&](int64_t i, auto width) {
+      constexpr int K = decltype(width)::value;
+      float x[K];
+      load_f32(x, in, i);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        bad |= !isfinite(x[k]);
+        x[k] = x[k] * scale;
+      }
+      store_f32(out, i, x);
+    });
     if (__syncthreads_or(bad) && threadIdx.x == 0) {
       *found_inf = 1.f;  // every writer stores the same value: no atomics needed
       flags[meta.aux[c.tensor]] = 1.f;
@@ -44,7 +50,13 @@ struct CheckFiniteFunctor {
     const BlockChunk c = block_chunk(meta);
     const T* p = static_cast<const T*>(meta.addresses[0][c.tensor]);
     int bad = 0;
-    for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) bad |= !isfinite(static_cast<float>(p[i]));
+    for_each_element<vec_width<T>()>(c, slot_aligned(meta, c.tensor), [&](int64_t i, auto width) {
+      constexpr int K = decltype(width)::value;
+      float x[K];
+      load_f32(x, p, i);
+#pragma unroll
+      for (int k = 0; k < K; ++k) bad |= !isfinite(x[k]);
+    });
     if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.f;
   }
 };

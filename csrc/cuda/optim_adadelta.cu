@@ -1,5 +1,6 @@
 // CUDA fused Adadelta (torch.optim.Adadelta semantics; optional 16-bit model copy): one
-// multi-tensor-apply launch over chunks of many tensors, fp32 math, 64-bit offsets.
+// multi-tensor-apply launch over chunks of many tensors, fp32 math, 64-bit offsets, 16-byte
+// loads and stores (multi_tensor_apply.cuh).
 #include <ATen/ATen.h>
 
 #include "cuda/optim_common.cuh"
@@ -28,23 +29,29 @@ struct AdadeltaFunctor {
     P* acc = static_cast<P*>(meta.addresses[3][c.tensor]);
     M* out = kCopy ? static_cast<M*>(meta.addresses[4][c.tensor]) : nullptr;
     const float scale = scale_of(grad_scale);
-    for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
-      float gv = to_f32(g[i]) / scale;
-      if (grad_scale != nullptr) g[i] = from_f32<G>(gv);  // the grad left unscaled, as torch's fused kernels
-      float pv = to_f32(p[i]);
-      if (a.weight_decay != 0.f) gv = fmaf(pv, a.weight_decay, gv);
-      float sv = to_f32(sq[i]) * a.rho;
-      sv = sv + a.one_minus_rho * gv * gv;
-      float av = to_f32(acc[i]);
-      const float delta = sqrtf(av + a.eps) / sqrtf(sv + a.eps) * gv;
-      av = av * a.rho;
-      av = av + a.one_minus_rho * delta * delta;
-      pv = fmaf(delta, -a.lr, pv);
-      p[i] = from_f32<P>(pv);
-      sq[i] = from_f32<P>(sv);
-      acc[i] = from_f32<P>(av);
-      if constexpr (kCopy) out[i] = from_f32<M>(pv);
-    }
+    for_each_element<vec_width<P, G, M>()>(c, slot_aligned(meta, c.tensor), [&](int64_t i, auto width) {
+      constexpr int K = decltype(width)::value;
+      float gv[K], pv[K], sv[K], av[K];
+      load_f32(gv, g, i);
+      load_f32(pv, p, i);
+      load_f32(sv, sq, i);
+      load_f32(av, acc, i);
+      unscale_grads(gv, g, i, scale, grad_scale);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (a.weight_decay != 0.f) gv[k] = fmaf(pv[k], a.weight_decay, gv[k]);
+        sv[k] = sv[k] * a.rho;
+        sv[k] = sv[k] + a.one_minus_rho * gv[k] * gv[k];
+        const float delta = sqrtf(av[k] + a.eps) / sqrtf(sv[k] + a.eps) * gv[k];
+        av[k] = av[k] * a.rho;
+        av[k] = av[k] + a.one_minus_rho * delta * delta;
+        pv[k] = fmaf(delta, -a.lr, pv[k]);
+      }
+      store_f32(p, i, pv);
+      store_f32(sq, i, sv);
+      store_f32(acc, i, av);
+      if constexpr (kCopy) store_f32(out, i, pv);
+    });
   }
 };
 

@@ -1,5 +1,6 @@
 // CUDA fused Adam/AdamW (+ AMSGrad, + fp32 masters writing a 16-bit model copy): one
-// multi-tensor-apply launch over chunks of many tensors, fp32 math, 64-bit offsets.
+// multi-tensor-apply launch over chunks of many tensors, fp32 math, 64-bit offsets, 16-byte
+// loads and stores (multi_tensor_apply.cuh).
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -37,33 +38,37 @@ struct AdamFunctor {
     const float neg_step_size = static_cast<float>(-a.lr / bc1);
     const float bc2_sqrt = static_cast<float>(sqrt(bc2));
     const float scale = scale_of(grad_scale);
-    for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
-      float gv = to_f32(g[i]) / scale;
-      if (grad_scale != nullptr) g[i] = from_f32<G>(gv);  // the grad left unscaled, as torch's fused kernels
-      float pv = to_f32(p[i]);
-      if (a.weight_decay != 0.f) {
-        if (a.adam_w_mode) {
-          pv = pv * a.decay;
-        } else {
-          gv = fmaf(pv, a.weight_decay, gv);
+    for_each_element<vec_width<P, G, M>()>(c, slot_aligned(meta, c.tensor), [&](int64_t i, auto width) {
+      constexpr int K = decltype(width)::value;
+      float gv[K], pv[K], mv[K], vv[K], second[K];
+      load_f32(gv, g, i);
+      load_f32(pv, p, i);
+      load_f32(mv, m, i);
+      load_f32(vv, v, i);
+      if constexpr (kAms) load_f32(second, vmax, i);
+      unscale_grads(gv, g, i, scale, grad_scale);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (a.weight_decay != 0.f) {
+          if (a.adam_w_mode) {
+            pv[k] = pv[k] * a.decay;
+          } else {
+            gv[k] = fmaf(pv[k], a.weight_decay, gv[k]);
+          }
         }
+        mv[k] = fmaf(a.one_minus_beta1, gv[k] - mv[k], mv[k]);
+        vv[k] = vv[k] * a.beta2;
+        vv[k] = vv[k] + a.one_minus_beta2 * gv[k] * gv[k];
+        second[k] = kAms ? fmaxf(second[k], vv[k]) : vv[k];
+        const float denom = sqrtf(second[k]) / bc2_sqrt + a.eps;
+        pv[k] = pv[k] + neg_step_size * (mv[k] / denom);
       }
-      float mv = to_f32(m[i]);
-      mv = fmaf(a.one_minus_beta1, gv - mv, mv);
-      float vv = to_f32(v[i]) * a.beta2;
-      vv = vv + a.one_minus_beta2 * gv * gv;
-      float second = vv;
-      if constexpr (kAms) {
-        second = fmaxf(to_f32(vmax[i]), vv);
-        vmax[i] = from_f32<P>(second);
-      }
-      const float denom = sqrtf(second) / bc2_sqrt + a.eps;
-      pv = pv + neg_step_size * (mv / denom);
-      p[i] = from_f32<P>(pv);
-      m[i] = from_f32<P>(mv);
-      v[i] = from_f32<P>(vv);
-      if constexpr (kCopy) out[i] = from_f32<M>(pv);
-    }
+      if constexpr (kAms) store_f32(vmax, i, second);
+      store_f32(p, i, pv);
+      store_f32(m, i, mv);
+      store_f32(v, i, vv);
+      if constexpr (kCopy) store_f32(out, i, pv);
+    });
   }
 };
 

@@ -29,6 +29,15 @@ __device__ __forceinline__ bool skip_step(const float* found_inf) { return found
 
 __device__ __forceinline__ float scale_of(const float* grad_scale) { return grad_scale != nullptr ? *grad_scale : 1.f; }
 
+// gv[k] /= scale for the K grads at g + i, written back unscaled (rounded to G) when a grad_scale
+// was given, as torch's fused kernels leave them.
+template <int K, typename G>
+__device__ __forceinline__ void unscale_grads(float (&gv)[K], G* g, int64_t i, float scale, const float* grad_scale) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) gv[k] = gv[k] / scale;
+  if (grad_scale != nullptr) store_f32(g, i, gv);
+}
+
 // Per-tensor current step values gathered into one fp32 device vector (index = aux[t]).
 inline at::Tensor step_values(const TensorList& steps) { return at::stack(steps).reshape({-1}).contiguous(); }
 

@@ -6,7 +6,8 @@
 //      apply it with the per-tensor trust ratio from those squared norms; advance the steps.
 // fused_lamb runs both back to back; sharded params (FSDP2) call them apart and sum the squared
 // norms of the local shards over the shard group in between.
-// fp32 math, 64-bit offsets; no host synchronisation (found_inf and the norms stay on device).
+// fp32 math, 64-bit offsets, 16-byte loads and stores (multi_tensor_apply.cuh); no host
+// synchronisation (found_inf and the norms stay on device).
 #include <ATen/ATen.h>
 
 #include <type_traits>
@@ -81,21 +82,28 @@ struct LambStage1 {
     const float clip = (a.max_grad_norm > 0.f && gnorm > a.max_grad_norm) ? gnorm / a.max_grad_norm : 1.f;
     const float scale = scale_of(grad_scale);
     float p2 = 0.f, u2 = 0.f;
-    for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
-      const float pv = to_f32(p[i]);
-      const float unscaled = to_f32(g[i]) / scale;
-      if (grad_scale != nullptr) g[i] = from_f32<G>(unscaled);
-      float gv = unscaled / clip;
-      if (a.l2_decay) gv = fmaf(pv, a.weight_decay, gv);
-      const P ms = from_f32<P>(fmaf(gv, a.beta3, to_f32(m[i]) * a.beta1));
-      float vv = to_f32(v[i]) * a.beta2;
-      const P vs = from_f32<P>(vv + a.one_minus_beta2 * gv * gv);
-      m[i] = ms;
-      v[i] = vs;
-      const float u = lamb_update(to_f32(ms), to_f32(vs), pv, cc, a);  // as stage 2 will recompute it
-      p2 = fmaf(pv, pv, p2);
-      u2 = fmaf(u, u, u2);
-    }
+    for_each_element<vec_width<P, G>()>(c, slot_aligned(meta, c.tensor), [&](int64_t i, auto width) {
+      constexpr int K = decltype(width)::value;
+      float pv[K], gv[K], mv[K], vv[K];
+      load_f32(pv, p, i);
+      load_f32(gv, g, i);
+      load_f32(mv, m, i);
+      load_f32(vv, v, i);
+      unscale_grads(gv, g, i, scale, grad_scale);  // written back unscaled, not clipped
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        gv[k] = gv[k] / clip;
+        if (a.l2_decay) gv[k] = fmaf(pv[k], a.weight_decay, gv[k]);
+        mv[k] = to_f32(from_f32<P>(fmaf(gv[k], a.beta3, mv[k] * a.beta1)));  // the stored moment
+        const float decayed = vv[k] * a.beta2;
+        vv[k] = to_f32(from_f32<P>(decayed + a.one_minus_beta2 * gv[k] * gv[k]));
+        const float u = lamb_update(mv[k], vv[k], pv[k], cc, a);  // as stage 2 will recompute it
+        p2 = fmaf(pv[k], pv[k], p2);
+        u2 = fmaf(u, u, u2);
+      }
+      store_f32(m, i, mv);  // exact: mv and vv are values of P
+      store_f32(v, i, vv);
+    });
     block_sum2(p2, u2);
     if (threadIdx.x == 0) {
       atomicAdd(norms + 2 * t, static_cast<double>(p2));
@@ -123,12 +131,17 @@ struct LambStage2 {
       const double pn = sqrt(norms[2 * t]), un = sqrt(norms[2 * t + 1]);
       if (pn != 0.0 && un != 0.0) ratio = static_cast<float>(static_cast<double>(a.lr) * (pn / un));
     }
-    for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
-      float pv = to_f32(p[i]);
-      pv = fmaf(lamb_update(to_f32(m[i]), to_f32(v[i]), pv, cc, a), -ratio, pv);
-      p[i] = from_f32<P>(pv);
-      if constexpr (kCopy) out[i] = from_f32<M>(pv);
-    }
+    for_each_element<vec_width<P, M>()>(c, slot_aligned(meta, c.tensor), [&](int64_t i, auto width) {
+      constexpr int K = decltype(width)::value;
+      float pv[K], mv[K], vv[K];
+      load_f32(pv, p, i);
+      load_f32(mv, m, i);
+      load_f32(vv, v, i);
+#pragma unroll
+      for (int k = 0; k < K; ++k) pv[k] = fmaf(lamb_update(mv[k], vv[k], pv[k], cc, a), -ratio, pv[k]);
+      store_f32(p, i, pv);
+      if constexpr (kCopy) store_f32(out, i, pv);
+    });
   }
 };
 

@@ -1,5 +1,6 @@
 // CUDA fused SGD (momentum, dampening, nesterov, weight decay; optional 16-bit model copy):
-// one multi-tensor-apply launch over chunks of many tensors, fp32 math, 64-bit offsets.
+// one multi-tensor-apply launch over chunks of many tensors, fp32 math, 64-bit offsets, 16-byte
+// loads and stores (multi_tensor_apply.cuh).
 #include <ATen/ATen.h>
 
 #include "cuda/optim_common.cuh"
@@ -28,21 +29,30 @@ struct SgdFunctor {
     P* buf = kMomentum ? static_cast<P*>(meta.addresses[2][c.tensor]) : nullptr;
     M* out = kCopy ? static_cast<M*>(meta.addresses[Depth - 1][c.tensor]) : nullptr;
     const float scale = scale_of(grad_scale);
-    for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
-      float gv = to_f32(g[i]) / scale;
-      if (grad_scale != nullptr) g[i] = from_f32<G>(gv);  // the grad left unscaled, as torch's fused kernels
-      float pv = to_f32(p[i]);
-      if (a.weight_decay != 0.f) gv = fmaf(pv, a.weight_decay, gv);
+    for_each_element<vec_width<P, G, M>()>(c, slot_aligned(meta, c.tensor), [&](int64_t i, auto width) {
+      constexpr int K = decltype(width)::value;
+      float gv[K], pv[K];
+      [[maybe_unused]] float bv[K];  // the momentum (kMomentum)
+      load_f32(gv, g, i);
+      load_f32(pv, p, i);
       if constexpr (kMomentum) {
-        const P stored = from_f32<P>(a.first_run ? gv : fmaf(gv, a.one_minus_dampening, to_f32(buf[i]) * a.momentum));
-        buf[i] = stored;
-        const float bv = to_f32(stored);  // the stored momentum, as torch
-        gv = a.nesterov ? fmaf(bv, a.momentum, gv) : bv;
+        if (!a.first_run) load_f32(bv, buf, i);
       }
-      pv = fmaf(gv, -a.lr, pv);
-      p[i] = from_f32<P>(pv);
-      if constexpr (kCopy) out[i] = from_f32<M>(pv);
-    }
+      unscale_grads(gv, g, i, scale, grad_scale);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (a.weight_decay != 0.f) gv[k] = fmaf(pv[k], a.weight_decay, gv[k]);
+        if constexpr (kMomentum) {
+          // the stored momentum, as torch
+          bv[k] = to_f32(from_f32<P>(a.first_run ? gv[k] : fmaf(gv[k], a.one_minus_dampening, bv[k] * a.momentum)));
+          gv[k] = a.nesterov ? fmaf(bv[k], a.momentum, gv[k]) : bv[k];
+        }
+        pv[k] = fmaf(gv[k], -a.lr, pv[k]);
+      }
+      if constexpr (kMomentum) store_f32(buf, i, bv);  // exact: bv holds values of P
+      store_f32(p, i, pv);
+      if constexpr (kCopy) store_f32(out, i, pv);
+    });
   }
 };
 

@@ -10,9 +10,11 @@ guessed (benchmarks/RESULTS.md, "Issue 49"):
 * CPU: Intel Xeon with AVX-512 (no AVX512_BF16, no AMX), torch 2.13, ``bench_optim.py --clock cpu --threads 1``
   (CPU time of one thread: the machine was shared with builds, load average 9; wall times there swung 4x),
   our kernel / our op through torch's kernel, ms, few large tensors (4 x 1M) and many small (10,000 x
-  1-4k): Adam fp32 6.42 / 6.56 and 81.9 / 118.1 (ours); Adam bf16 10.92 / 6.00 and 117.8 / 107.7 (torch's);
-  SGD fp32 5.23 / 4.97 and 74.3 / 59.3 (torch's); L2 norm fp32 1.20 / 1.59 and 20.3 / 68.5, bf16 1.03 /
-  6.06 and 18.1 / 84.7 (ours). Not measured, so ours: float16. No size class changes a CPU row's winner.
+  1-4k): Adam fp32 6.42 / 6.56 and 81.9 / 118.1 (ours); SGD fp32 5.23 / 4.97 and 74.3 / 59.3 (torch's); L2
+  norm fp32 1.20 / 1.59 and 20.3 / 68.5, bf16 1.03 / 6.06 and 18.1 / 84.7 (ours); Adam bf16, since our
+  16-bit conversions went one vector at a time (issue 49, session 2), 4.36 / 4.66 and 55.6 / 72.7 (ours;
+  10.11 / 4.79 and 95.6 / 85.4 before). Not measured, so ours: float16. No size class changes a CPU row's
+  winner.
 * CUDA, H200 (benchmarks/gpu/f667cf8, few large tensors): torch's fused AdamW 0.146 / 0.118 ms against
   our 0.209 / 0.211 ms (fp32 / bf16), ``_foreach_norm`` 0.078 / 0.076 ms against our l2norm's 0.130 /
   0.132; our ``multi_tensor_scale`` is 2x torch's chain and stays. Not measured there, taken from those
@@ -35,7 +37,6 @@ OURS, TORCH = "ours", "torch"
 
 # (op, device type) -> {param dtype: implementation}; an op, device or dtype not listed: ours.
 TABLE = {
-    ("adam", "cpu"): {torch.bfloat16: TORCH},
     ("sgd", "cpu"): {torch.float32: TORCH},
     ("adam", "cuda"): {torch.float32: TORCH, torch.bfloat16: TORCH, torch.float16: TORCH},
     ("sgd", "cuda"): {torch.float32: TORCH, torch.bfloat16: TORCH, torch.float16: TORCH},

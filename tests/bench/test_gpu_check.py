@@ -70,7 +70,7 @@ def good_parts():
     """Every part present, every figure comfortably inside its target."""
     optim = [_optim_row("copy", "fp32", 0.1, 3000.0), _optim_row("copy", "bf16", 0.1, 2900.0)]
     optim += [_optim_row("adamw", m, 0.9, 2800.0, torch_ms=1.0) for m in MODES]
-    optim += [_optim_row("scale", m, 0.1, 2800.0) for m in ("fp32", "bf16")]
+    optim += [_optim_row(op, m, 0.1, 2800.0) for op in ("lamb", "adadelta", "scale", "finite") for m in ("fp32", "bf16")]
     optim += [_optim_row("l2norm", m, 0.9, 2800.0, torch_ms=1.0) for m in ("fp32", "bf16")]
     optim.append(_optim_row("adamw", "fp32", 5.0, 10.0, torch_ms=1.0, lst="many-small"))  # not judged
     wgrad = [dict(tokens=t, n_in=i, n_out=o, fused_ms=1.0, gemm_ms=1.0, unfused_ms=2.0, fp32_ms=3.0,
@@ -104,6 +104,9 @@ def _find(parts, level, o2_forward=None):
     return next(r for r in _records(parts) if r["level"] == level and r["o2_forward"] == o2_forward)
 
 
+OPTIM_KEYS = ("fused_adam", "lamb", "adadelta", "scale", "finite", "l2norm")  # the targets judged on bench_optim
+
+
 def _set_optim(parts, op, mode, **fields):
     next(r for r in parts["optim"]["data"]["rows"]
          if (r["list"], r["op"], r["mode"]) == ("few-large", op, mode)).update(fields)
@@ -123,8 +126,8 @@ def _setter(key):
         return lambda p, v: _find(p, "O2", "half").update(final_loss=0.300 * (1 + v))
     if key == "o2_half_ops_vs_fp32_ops":  # half 70 ms over the fp32 lists' run
         return lambda p, v: _find(p, "O2", "fp32").update(step_time_ms=70.0 / v)
-    if key.endswith("_bandwidth"):  # fused_adam_<mode>_bandwidth, scale_<mode>_bandwidth; copy is 3000 GB/s
-        op, mode = ("adamw", key.split("_")[2]) if key.startswith("fused_adam") else ("scale", key.split("_")[1])
+    if key.endswith("_bandwidth"):  # fused_adam_<mode>_bandwidth, <op>_<mode>_bandwidth; copy is 3000 GB/s
+        op, mode = ("adamw", key.split("_")[2]) if key.startswith("fused_adam") else key.split("_")[:2]
         return lambda p, v: _set_optim(p, op, mode, ours_gbs=3000.0 * v)
     if key.startswith("fused_adam") or key.startswith("l2norm"):
         op, mode = ("adamw", key.split("_")[2]) if key.startswith("fused_adam") else ("l2norm", key.split("_")[1])
@@ -168,7 +171,7 @@ def _docs_limits() -> dict:
 
 def test_the_docs_table_and_the_targets_are_one_list():
     assert _docs_table() == [(t.what, t.limit(), t.source) for t in TARGETS]
-    assert len(_docs_limits()) == len([t for t in TARGETS if t.unit != "ok"]) == 19  # every ratio has its number
+    assert len(_docs_limits()) == len([t for t in TARGETS if t.unit != "ok"]) == 25  # every ratio has its number
 
 
 def test_good_figures_pass_every_target():
@@ -297,8 +300,8 @@ def test_an_unreadable_part_file_fails_its_targets(tmp_path, content):
         (tmp_path / f"part-{name}.json").write_text(json.dumps(part))
     (tmp_path / "part-optim.json").write_bytes(content.encode("latin-1"))
     verdicts = {v.key: v for v in evaluate(load_parts(str(tmp_path)))}
-    optim = [v for k, v in verdicts.items() if k.startswith(("fused_adam", "scale", "l2norm"))]
-    assert len(optim) == 10 and all(v.status == FAIL and "part optim unreadable (part-optim.json" in v.detail
+    optim = [v for k, v in verdicts.items() if v.key.startswith(OPTIM_KEYS)]
+    assert len(optim) == 16 and all(v.status == FAIL and "part optim unreadable (part-optim.json" in v.detail
                                     for v in optim), optim
     assert {v.status for k, v in verdicts.items() if v not in optim} == {PASS}
     (tmp_path / "part-suite.json").write_text('{"part": "suite", "rc": 0, "data": {"tests": ')  # cut short
@@ -403,7 +406,7 @@ def test_report_files_hold_a_verdict_line_per_target(tmp_path):
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert len(report["verdicts"]) == len(TARGETS) == len(verdicts)
     assert [v["status"] for v in report["verdicts"]].count(FAIL) == 1
-    assert "**22 PASS, 1 FAIL, 1 INCOMPLETE, 0 NOT RUN**" in md
+    assert "**28 PASS, 1 FAIL, 1 INCOMPLETE, 0 NOT RUN**" in md
     for target in TARGETS:
         assert sum(line.startswith("| ") and f"| {target.what} |" in line for line in md.splitlines()) == 1
     assert "| FAIL | wgrad into fp32 main_grad / plain bf16 GEMM, 4096 x 1024 -> 4096 | 1.500x | <= 1.03x |" in md
@@ -428,8 +431,8 @@ def test_bench_optim_json_rows_feed_the_optimizer_targets(tmp_path, monkeypatch)
     assert bench_optim.main(["--device", "cpu", "--lists", "few-large", "--modes", "fp32,bf16,master",
                              "--ops", check.OPTIM_OPS, "--repeats", "1", "--json", str(out)]) == 0
     verdicts = evaluate({"optim": _part("optim", {"rows": json.loads(out.read_text())})})
-    judged = [v for v in verdicts if v.key.startswith(("fused_adam", "scale", "l2norm"))]
-    assert len(judged) == 10
+    judged = [v for v in verdicts if v.key.startswith(OPTIM_KEYS)]
+    assert len(judged) == 16
     assert all(v.status in (PASS, FAIL) and v.value is not None for v in judged), judged
 
 
