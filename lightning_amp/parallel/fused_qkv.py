@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from lightning_amp.parallel import comm
 from lightning_amp.parallel.groups import group_rank, group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear
-from lightning_amp.parallel.qkv_heads import QKVHeads
+from lightning_amp.parallel.reading.qkv_heads import QKVHeads
 from lightning_amp.parallel.shared_input import SharedInput
 
 

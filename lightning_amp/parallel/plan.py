@@ -1,10 +1,10 @@
 """Which layers become tensor-parallel (the plan), its validation, and the in-place conversion.
 
-``plan="auto"`` takes the units of :mod:`~lightning_amp.parallel.auto_units`: the known layouts of
-:mod:`~lightning_amp.parallel.families` (``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa,
+``plan="auto"`` takes the units of :mod:`~lightning_amp.parallel.reading.auto_units`: the known layouts of
+:mod:`~lightning_amp.parallel.reading.families` (``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa,
 GPT-2, litgpt's fused ``[q | k | v]`` attention, named MLPs, MLPs in ``nn.Sequential``), then the attention blocks and
-MLPs :mod:`~lightning_amp.parallel.structure` finds by reading the forward of the rest (their heads and the attribute
-values one rank needs: :mod:`~lightning_amp.parallel.heads`), then q/k/v/o names where no forward can be read. An
+MLPs :mod:`~lightning_amp.parallel.reading.structure` finds by reading the forward of the rest (their heads and the attribute
+values one rank needs: :mod:`~lightning_amp.parallel.reading.heads`), then q/k/v/o names where no forward can be read. An
 explicit plan ``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead* (fnmatch globs on names
 from ``named_modules()``); a set of explicit layers that forms one of those units gets that unit's layout (fused QKV,
 ``Conv1D``, heads and head attributes), other layers pair by parent: a column layer's output stays split when its
@@ -13,7 +13,7 @@ parent also holds a row layer of the plan, else it is gathered.
 :func:`build_plan` validates the whole plan *before anything changes*, raising ValueError naming
 the module paths when a column layer would feed anything but its row partner (a unit only partly in
 an explicit plan, a row layer without a column partner, a norm or reshape between a named MLP's layers:
-:mod:`~lightning_amp.parallel.between`, an explicit column wider than its row partner outside any unit:
+:mod:`~lightning_amp.parallel.reading.between`, an explicit column wider than its row partner outside any unit:
 a fused projection a contiguous split would cut), when a glob of an explicit plan matches no module,
 when heads or features do not divide by the TP size (key/value heads: nor divide it), when an attention found by
 structure cannot be read, or when nothing would be split (unless ``allow_replicated``). So a model is either
@@ -31,21 +31,21 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from torch import nn
 
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
-from lightning_amp.parallel.auto_units import auto_units
-from lightning_amp.parallel.between import between_problem
+from lightning_amp.parallel.reading.auto_units import auto_units
+from lightning_amp.parallel.reading.between import between_problem
 from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan, validate_unsplit_ok  # noqa: F401
-from lightning_amp.parallel.families import HEAD_ATTRS, Unit, is_conv1d, multihead_attention_unit
+from lightning_amp.parallel.reading.families import HEAD_ATTRS, Unit, is_conv1d, multihead_attention_unit
 from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
-from lightning_amp.parallel.heads import AttentionShape
+from lightning_amp.parallel.reading.heads import AttentionShape
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.main_grad import mark_sequence_parallel
-from lightning_amp.parallel.projections import is_projection
+from lightning_amp.parallel.reading.projections import is_projection
 from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
 from lightning_amp.parallel.report import Conversion, PlanReport, SplitUnit
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs
 from lightning_amp.parallel.shared_input import SharedInput
-from lightning_amp.parallel.unsplit import accepted, unmatched_globs, unsplit_problems
+from lightning_amp.parallel.reading.unsplit import accepted, unmatched_globs, unsplit_problems
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
 #: the layers a conversion makes (a model holding one is converted already)
@@ -153,7 +153,7 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
                sequence_parallel: bool = False, allow_replicated: bool = False, unsplit_ok: Sequence[str] = ()) -> Plan:
     """The validated plan for ``module`` at TP size ``tp``; changes nothing. Raises ValueError naming the
     module paths of every unit that cannot be split, of every attention ``plan="auto"`` would leave whole that
-    no glob of ``unsplit_ok`` accepts (:mod:`~lightning_amp.parallel.unsplit`), and when nothing would be split
+    no glob of ``unsplit_ok`` accepts (:mod:`~lightning_amp.parallel.reading.unsplit`), and when nothing would be split
     at ``tp > 1`` unless ``allow_replicated``."""
     validate_plan(plan)
     unsplit_ok = validate_unsplit_ok(unsplit_ok)
@@ -297,7 +297,7 @@ def _share_input(module: nn.Module, unit: Unit, group: Any) -> None:
 
 def _set_head_values(module: nn.Module, unit: Unit) -> dict[str, tuple[int, int]]:
     """Give the attributes a structure-found attention's forward reads the values one rank needs (see
-    :mod:`~lightning_amp.parallel.heads`): a module's own attribute is set on it; a field of a plain object (a
+    :mod:`~lightning_amp.parallel.reading.heads`): a module's own attribute is set on it; a field of a plain object (a
     ``config``, maybe shared with the whole model) is set on a per-rank copy that every module of the attention
     holding that object gets. Returns {attribute path: (before, after)}."""
     changed, copies = {}, {}

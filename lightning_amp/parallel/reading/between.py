@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_amp.parallel.families import ELEMENTWISE
+from lightning_amp.parallel.reading.families import ELEMENTWISE
 
 _ELEMENTWISE_FUNCTIONS = frozenset({
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,

@@ -1,4 +1,4 @@
-"""Walks along the data of a :class:`~lightning_amp.parallel.forward_graph.ForwardGraph`: which projections a value
+"""Walks along the data of a :class:`~lightning_amp.parallel.reading.forward_graph.ForwardGraph`: which projections a value
 is computed from, where a projection's output goes, and the attention products of a forward.
 
 Shapes, sizes and dtypes read off a tensor (``x.shape[:-1]`` for a reshape) are not its data: the walks do not follow
@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from lightning_amp.parallel.between import _elementwise
-from lightning_amp.parallel.forward_graph import ForwardGraph
+from lightning_amp.parallel.reading.between import _elementwise
+from lightning_amp.parallel.reading.forward_graph import ForwardGraph
 
 _SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax, "softmax"})
 _MATMUL = frozenset({torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm", torch.Tensor.matmul})

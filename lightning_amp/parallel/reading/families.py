@@ -20,7 +20,7 @@ named MLPs (Llama, Falcon, OPT, litgpt...)  ``gate_proj``/``up_proj``/``fc1``/``
 =========================================  ===============================================  =====================
 
 [*] :data:`FALLBACK_MATCHERS`: used only where torch.fx cannot read the module's forward; elsewhere
-:mod:`~lightning_amp.parallel.structure` finds these attentions (and any other) by what their forward computes.
+:mod:`~lightning_amp.parallel.reading.structure` finds these attentions (and any other) by what their forward computes.
 
 Attention heads are split whole: the query heads and the key/value heads (GQA) must both divide by
 the TP size, else :func:`lightning_amp.parallel.plan.build_plan` raises naming the module; litgpt's
@@ -38,8 +38,8 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from lightning_amp.parallel.qkv_heads import QKVHeads
-from lightning_amp.parallel.projections import is_conv1d  # noqa: F401 (re-exported)
+from lightning_amp.parallel.reading.qkv_heads import QKVHeads
+from lightning_amp.parallel.reading.projections import is_conv1d  # noqa: F401 (re-exported)
 
 ELEMENTWISE = (
     nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
@@ -63,10 +63,10 @@ class Unit:
     per-rank copy holding the local head counts of ``qkv_heads``. ``divisible``: (what, value) pairs that
     must divide by the TP size. ``problem``: why this unit cannot be split at all.
 
-    Units found by structure (:mod:`~lightning_amp.parallel.structure`, ``found_by="structure"``) also carry
+    Units found by structure (:mod:`~lightning_amp.parallel.reading.structure`, ``found_by="structure"``) also carry
     ``replicated_heads`` (per key or value projection kept whole on every rank: its head count and size, see
     :mod:`~lightning_amp.parallel.replicated_heads`), ``head_values`` (per attribute key, the per-rank value its
-    forward needs, see :mod:`~lightning_amp.parallel.heads`) and ``attention_shape`` (the heads it found).
+    forward needs, see :mod:`~lightning_amp.parallel.reading.heads`) and ``attention_shape`` (the heads it found).
     ``partial_grads``: modules or params used between the unit's columns and rows (a norm over each head's
     features): every rank sees only its heads, so their gradients are summed over the TP group.
     """

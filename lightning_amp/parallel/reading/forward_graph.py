@@ -3,7 +3,7 @@
 :func:`read_forward` traces ``module.forward`` symbolically into a :class:`ForwardGraph`: the ops from the inputs
 to the outputs, with the layers that hold weights (``nn.Linear``, ``transformers``' ``Conv1D``, every module of
 ``torch.nn``) as single nodes. The tensor-parallel plan reads it to find attention blocks and MLPs by what they
-compute (:mod:`~lightning_amp.parallel.structure`). Three things go beyond a plain ``torch.fx.symbolic_trace``:
+compute (:mod:`~lightning_amp.parallel.reading.structure`). Three things go beyond a plain ``torch.fx.symbolic_trace``:
 
 * **shapes**: the first positional input is given a shape, ``(2, 5, hidden)``, and every op whose inputs are known
   is run on ``meta`` tensors (no memory, no data), so code that reads shapes (``x.shape[:-1]``, ``B, T, C =
@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.proxy import Attribute, Proxy, TraceError
 
-from lightning_amp.parallel.projections import is_conv1d, is_projection, widths_of
+from lightning_amp.parallel.reading.projections import is_conv1d, is_projection, widths_of
 
 #: an attribute that holds an int: (module path relative to the read module, attribute names from that module);
 #: ``("blocks.0.attn", ("n_heads",))`` or, through a plain object, ``("attn", ("config", "n_head"))``

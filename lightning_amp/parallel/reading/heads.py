@@ -35,13 +35,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from lightning_amp.parallel.between import _elementwise
-from lightning_amp.parallel.data_flow import products, reach, sources
-from lightning_amp.parallel.families import Unit
-from lightning_amp.parallel.forward_graph import (ForwardGraph, ForwardUnreadable, Key, optional_inputs, read_forward,
+from lightning_amp.parallel.reading.between import _elementwise
+from lightning_amp.parallel.reading.data_flow import products, reach, sources
+from lightning_amp.parallel.reading.families import Unit
+from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, Key, optional_inputs, read_forward,
                                                   tags_of)
-from lightning_amp.parallel.qkv_heads import QKVHeads
-from lightning_amp.parallel.projections import is_conv1d, is_projection, widths_of
+from lightning_amp.parallel.reading.qkv_heads import QKVHeads
+from lightning_amp.parallel.reading.projections import is_conv1d, is_projection, widths_of
 
 _MAX_TRIES = 256  # attribute combinations read at most per attention
 _SPLIT_METHODS = frozenset({"split", "chunk", "tensor_split"})
