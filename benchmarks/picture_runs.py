@@ -320,7 +320,8 @@ def tp_rank(rank: int, init_file: str) -> dict:
     import torch.distributed as dist
 
     from lightning_amp.parallel import TensorParallelConfig
-    from lightning_amp.parallel.plan import PARALLEL_LAYERS, apply_checked_plan, build_plan
+    from lightning_amp.parallel.convert import PARALLEL_LAYERS, convert as apply_checked_plan
+    from lightning_amp.parallel.plan import build_plan
 
     torch.set_num_threads(1)
     tp = TP["tp"]

@@ -27,7 +27,6 @@ from lightning_amp.parallel import comm
 from lightning_amp.parallel.groups import group_rank, group_size
 from lightning_amp.parallel.layers import ColumnParallelLinear
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
-from lightning_amp.parallel.shared_input import SharedInput
 
 
 def head_used(rank: int, tp: int, n_heads: int) -> int:
@@ -59,7 +58,7 @@ class ReplicatedKVColumnParallel(nn.Module):
         self.q = ColumnParallelLinear.from_weights(
             weight[:q_rows], None if bias is None else bias[:q_rows], group, gather_output=False,
             sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, **linear_kwargs)
-        self.q.shared_input = SharedInput(group, sequence_parallel, sequence_dim)
+        self.q.shared_input = comm.SharedInput(group, sequence_parallel, sequence_dim)
         self.kv_weight = _replicated(weight[q_rows:])
         self.kv_bias = None if bias is None else _replicated(bias[q_rows:])
         self.group_index = head_used(group_rank(group), tp, heads.n_query_groups)
@@ -67,7 +66,7 @@ class ReplicatedKVColumnParallel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q = self.q(x)
-        if not comm.tracing():  # the query rows' input collective serves the key/value rows too (shared_input.py)
+        if not comm.tracing():  # the query rows' input collective serves the key/value rows too (comm.SharedInput)
             x = self.q.shared_input(x)
         elif self.sequence_parallel:
             x = comm.gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)

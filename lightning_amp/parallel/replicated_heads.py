@@ -49,7 +49,7 @@ class ReplicatedHeadsLinear(nn.Module):
         self.bias = None if bias is None else _replicated(bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.shared_input is not None and not comm.tracing():  # the unit's one input collective (shared_input.py)
+        if self.shared_input is not None and not comm.tracing():  # the unit's one input collective (comm.SharedInput)
             x = self.shared_input(x)
         elif self.sequence_parallel:
             x = comm.gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)

@@ -177,7 +177,7 @@ def test_the_strategies_config_carries_unsplit_ok_to_the_conversion():
     """What the strategies' setup calls (``convert_model`` with their config), as rank 0 of 2: refused without
     ``unsplit_ok``, converted with it, the reason in the report."""
     from lightning_amp.parallel.layers import RowParallelLinear
-    from lightning_amp.parallel.plan import convert_model
+    from lightning_amp.parallel.convert import convert_model
     from support.simulated_ranks import as_rank
 
     require("transformers")

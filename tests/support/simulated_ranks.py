@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelConfig
 from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel
-from lightning_amp.parallel.plan import apply_checked_plan, build_plan
+from lightning_amp.parallel.convert import convert as apply_checked_plan
+from lightning_amp.parallel.plan import build_plan
 from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
 
 
