@@ -35,6 +35,7 @@ PARALLEL_LAYERS = (ParallelMultiheadAttention, ReplicatedKVColumnParallel, Repli
                    RowParallelLinear)
 
 
+@dataclass
 class Conversion:
     """One layer converted: its path, its class before, its kind ("column" | "row" | "replicated": key/value heads
     kept whole | "attention": ``nn.MultiheadAttention`` | "seq-split") and what each rank holds."""

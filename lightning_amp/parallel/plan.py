@@ -179,7 +179,7 @@ class TensorParallelPlan(Mapping):
         if isinstance(plan, str) and plan.lstrip().startswith("{"):
             plan = json.loads(plan)
         if not isinstance(plan, Mapping):
-            raise TypeError("plan must be 'auto', a TensorParallelPlan, or a dict {module path or glob: style} "
+            raise TypeError("plan must be 'auto' or a dict {module path or glob: style}, its JSON, or a TensorParallelPlan "
                             f"(a style: 'column' | 'row' | 'replicate', torch's ColwiseParallel() ..., or a dict), got {plan!r}")
         return cls(dict(_flatten(plan, "")))
 
@@ -328,7 +328,7 @@ def _explicit_decisions(module: nn.Module, plan: TensorParallelPlan) -> dict[str
     for pattern in plan:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             close = difflib.get_close_matches(pattern, names, n=3)
-            raise ValueError(f"plan entry {pattern!r}: matches no module of {type(module).__name__}"
+            raise ValueError(f"plan entry {pattern!r} matches no module of {type(module).__name__}"
                              + (f" (close: {close})" if close else f" (its modules are named like {names[:3]})"))
     kinds = plan.decisions
     for name, child in module.named_modules():
