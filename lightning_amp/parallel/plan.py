@@ -87,22 +87,17 @@ class Style:
 
     def to_dict(self) -> dict:
         """The fields that differ from their defaults, JSON-ready."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            if f.name == "style" or value != default:
-                out[f.name] = list(value) if isinstance(value, tuple) else value
-        return out
+        values = {name: getattr(self, name) for name in _DEFAULTS}
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()
+                if name == "style" or value != _DEFAULTS[name]}
 
     @classmethod
     def from_dict(cls, entry: str, data: Mapping) -> "Style":
         """ValueError naming ``entry`` for an unknown field or style, TypeError for a field of the wrong type."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(known))
+        unknown = sorted(set(data) - set(_DEFAULTS))
         if unknown or "style" not in data:
             raise ValueError(f"plan entry {entry!r}: " + (f"unknown field(s) {unknown}" if unknown else "no 'style'")
-                             + f"; a style's fields are {sorted(known)}")
+                             + f"; a style's fields are {sorted(_DEFAULTS)}")
         _check_style(entry, data["style"])
         kinds = {"chunks": int, "heads": int, "kv_heads": int, "head_size": int, "transposed": bool,
                  "attention": (dict, type(None)), "per_rank": dict, "partial_grads": (list, tuple)}
@@ -117,6 +112,11 @@ class Style:
     def bare(self) -> bool:
         """Whether only the style is given (nothing for the reading to confirm)."""
         return self == Style(self.style)
+
+
+#: each field of a Style and its default (what :meth:`Style.to_dict` leaves out)
+_DEFAULTS = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+             for f in dataclasses.fields(Style)}
 
 
 def _check_style(entry: str, style: Any) -> None:
@@ -487,10 +487,6 @@ def _confirm(module: nn.Module, given: TensorParallelPlan, found: TensorParallel
                     f"{ {k: read.get(k, _DEFAULTS[k]) for k in differ} }: a layout the reading cannot confirm (per-rank "
                     "values hold for the tensor_parallel_size the plan was read at). Give the layer's style alone "
                     "('column' | 'row') to take the layout the reading finds, or leave it out of the plan")
-
-
-_DEFAULTS = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-             for f in dataclasses.fields(Style)}
 
 
 def _accept_unsplit(units: list[Unit], whole: dict[str, str], unsplit_ok: Sequence[str]) -> list[Unit]:
