@@ -51,7 +51,7 @@ class TensorParallelConfig:
     sequence_parallel: bool = False
     gradient_accumulation_fusion: bool = True
     async_grad_allreduce: bool = True
-    plan: Union[str, Mapping[str, str]] = "auto"
+    plan: Union[str, Mapping[str, Any]] = "auto"
     sequence_dim: Optional[int] = None
     bucket_numel: int = 2**22
     overlap_grad_reduce: bool = True
