@@ -25,6 +25,8 @@ MOVED = {
     **{f"lightning_amp.parallel.{name}": f"lightning_amp.parallel.reading.{name}"
        for name in ("auto_units", "between", "data_flow", "families", "forward_graph", "heads", "projections",
                     "qkv_heads", "structure", "unsplit")},
+    "lightning_amp.parallel.report": "lightning_amp.parallel.convert",
+    "lightning_amp.parallel.shared_input": "lightning_amp.parallel.comm",
 }
 
 

@@ -12,6 +12,7 @@ from lightning_amp import strategy_base
 from lightning_amp._moved import MOVED
 from lightning_amp.amp.ladder import rules as ladder_rules, snapshot as ladder_snapshot
 from lightning_amp.amp.o2 import policy as o2_policy
+from lightning_amp.parallel import comm, convert
 from lightning_amp.parallel.reading import (auto_units, between, data_flow, families, forward_graph, heads, projections,
                                             qkv_heads, structure, unsplit)
 from lightning_amp.trainer import precision as trainer_precision, strategy as trainer_strategy
@@ -37,6 +38,8 @@ OLD_PATHS = {
     "lightning_amp.parallel.qkv_heads": (qkv_heads, ("QKVHeads",)),
     "lightning_amp.parallel.structure": (structure, ("find_structural_units",)),
     "lightning_amp.parallel.unsplit": (unsplit, ("unsplit_problems", "accepted")),
+    "lightning_amp.parallel.report": (convert, ("PlanReport", "SplitUnit", "Conversion")),
+    "lightning_amp.parallel.shared_input": (comm, ("SharedInput",)),
 }
 
 
