@@ -274,6 +274,10 @@ class TensorParallelPlan(Mapping):
             if unit.head_values:
                 lines.append("    per rank: " + ", ".join(f"{'.'.join(filter(None, (o, *n)))} -> {v}"
                                                          for (o, n), v in unit.head_values.items()))
+            if unit.heads is not None and unit.rows:
+                lines.append(f"    head-count attributes of {unit.heads or 'the model'} (where it has them) divided by the TP size")
+            if unit.head_config is not None:
+                lines.append(f"    {unit.head_config}.config: a per-rank copy with this rank's head counts")
         if self.whole:
             lines.append("  left whole:")
             lines += [f"    {path}: {why}" for path, why in self.whole.items()]
