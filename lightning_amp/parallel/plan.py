@@ -31,7 +31,7 @@ import difflib
 import fnmatch
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from torch import nn
 
