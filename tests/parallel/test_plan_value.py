@@ -93,6 +93,19 @@ def test_lightnings_example_plan_dict_gives_the_auto_plans_blocks_and_a_gathered
     assert (heads["n_head"], heads["n_kv"], heads["layout"]) == (4, 2, "separate")
 
 
+def test_at_tp4_replicated_key_value_heads_round_trip_and_the_example_plan_gives_them_too():
+    from support import torchtitan_llama as tt
+
+    torch.manual_seed(0)
+    model = tt.Transformer(tt.ModelArgs(dim=32, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=64, max_seq_len=8))
+    auto = build_plan(model, "auto", 4)
+    assert auto["layers.0.attention.wk"].style == "replicated" and auto["layers.0.attention.wk"].kv_heads == 2
+    assert auto["layers.0.attention.wq"].per_rank == {"layers.0.attention:n_rep": 2}  # 2 query heads per kv head
+    assert build_plan(model, auto.to_json(), 4) == auto
+    given = build_plan(model, loop.lightning_example_plan(), 4)
+    assert {p: given[p] for p in auto.decisions} == {p: auto[p] for p in auto.decisions}
+
+
 def test_glob_paths_give_the_plan_the_reading_gives():
     model = _titan()
     auto = build_plan(model, "auto", 2)
