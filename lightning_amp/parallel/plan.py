@@ -37,6 +37,7 @@ from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_
 from lightning_amp.parallel.families import HEAD_ATTRS, Unit, is_conv1d, multihead_attention_unit
 from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
+from lightning_amp.parallel.head_inputs import install_head_inputs
 from lightning_amp.parallel.heads import AttentionShape
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.main_grad import mark_sequence_parallel
@@ -380,6 +381,7 @@ def apply_checked_plan(module: nn.Module, checked: Plan, group: Any, config: Ten
         split = SplitUnit(unit.family, unit.found_by, _heads_line(unit, tp))
         split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
         split.attributes = _set_head_values(module, unit)
+        split.attributes.update(install_head_inputs(module, unit, group))
         _mark_partial_grads(module, unit)
         _divide_head_attrs(module, unit, tp)
         report.split.append(split)

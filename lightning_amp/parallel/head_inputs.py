@@ -1,0 +1,143 @@
+"""Per-head inputs of an attention: a tensor the forward is given (not a weight) that meets the attention scores,
+such as an ALiBi bias built once for all heads outside the attention (BLOOM's ``alibi``, MPT's ``position_bias``).
+After the split a rank computes its own heads only, so such an input must reach it cut to those heads.
+
+:func:`find_head_inputs` reads which inputs of the attention's forward reach its scores (between ``q @ k^T`` and the
+softmax) and where: the scores' dimension of heads is their third-to-last one, holding the heads alone
+(``[batch, heads, q, k]``: MPT) or the batch and the heads folded, batch first (``[batch * heads, q, k]``: BLOOM's
+``bias.baddbmm(q, k^T)``). Broadcasting aligns an input with the scores from the last dimension, so its own
+third-to-last dimension is the one to cut; only slicing and dtype casts may lie between the input and the scores.
+:class:`HeadInputSlicer` (a forward pre-hook on the attention module) cuts it on each call, for this rank's heads: a
+size-1 dimension (a mask shared by all heads) is left as it is, and any other size than the heads' is an error that
+names the input.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.fx as fx
+from torch import Tensor, nn
+
+from lightning_amp.parallel.data_flow import data_inputs, data_users, reach
+from lightning_amp.parallel.folded_heads import folded
+from lightning_amp.parallel.forward_graph import READ_BATCH, ForwardGraph
+from lightning_amp.parallel.groups import group_rank, group_size
+
+_CASTS = frozenset({"to", "type_as", "float", "half", "bfloat16", "contiguous"})
+
+
+@dataclass(frozen=True)
+class HeadInput:
+    """An input of the attention's forward (``name``, or the ``position``-th positional argument after ``self``)
+    whose third-to-last dimension holds the heads, or the batch and the heads folded batch first (``folded``)."""
+
+    name: str
+    position: int
+    folded: bool
+
+
+def find_head_inputs(graph: ForwardGraph, product: tuple, n_head: int) -> tuple[tuple[HeadInput, ...], Optional[str]]:
+    """The inputs of the forward read in ``graph`` that meet the scores of ``product`` ((q, k, v, result), with
+    ``n_head`` query heads), and why they cannot be cut by heads (None when they can)."""
+    q, k, _, result = product
+    region = (reach([q], lambda n: data_users(graph, n)) & reach([k], lambda n: data_users(graph, n))
+              & reach([result], lambda n: data_inputs(graph, n)))
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    found = []
+    for position, node in list(enumerate(placeholders))[1:]:
+        path = reach([node], lambda n: data_users(graph, n), stop=lambda n: n in region)
+        joins = [n for n in path if n in region]
+        if not joins:
+            continue
+        name = node.target.lstrip("*")
+        bad = next((n for n in path - region if not _keeps_dims(n)), None)
+        if bad is not None:
+            return (), (f"its input {name!r} meets the attention scores after {_op(bad)}, which may move its "
+                        "dimension of heads")
+        shapes = {graph.shape(n) for n in joins}
+        if None in shapes or len({folded(s) for s in shapes}) != 1:
+            return (), f"the shape of the attention scores where its input {name!r} meets them is not known"
+        fold = folded(next(iter(shapes)))
+        if fold and not _batch_first(graph, q, n_head):
+            return (), (f"its input {name!r} meets scores whose heads are folded into the batch, but the reading "
+                        f"cannot tell that the batch comes first (heads {n_head}, batch {READ_BATCH})")
+        found.append(HeadInput(name, position - 1, fold))
+    return tuple(found), None
+
+
+def _keeps_dims(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is operator.getitem:
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return all(isinstance(i, slice) or i is Ellipsis for i in index)
+    return node.op == "call_method" and node.target in _CASTS
+
+
+def _batch_first(graph: ForwardGraph, q: fx.Node, n_head: int) -> bool:
+    """Whether the query was folded from ``[batch, heads, ...]`` (the first 4-dimensional value it comes from)."""
+    node = q
+    while True:
+        shape = graph.shape(node)
+        if shape is not None and len(shape) >= 4:
+            return tuple(shape[:2]) == (READ_BATCH, n_head) and n_head != READ_BATCH
+        inputs = data_inputs(graph, node)
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+
+
+def _op(node: fx.Node) -> str:
+    return f"{getattr(node.target, '__name__', node.target)}"
+
+
+class HeadInputSlicer:
+    """A forward pre-hook (``with_kwargs=True``) that cuts the :class:`HeadInput` s of an attention of ``n_head``
+    query heads to heads ``[first, first + local)`` of this rank."""
+
+    def __init__(self, module: nn.Module, inputs: tuple[HeadInput, ...], n_head: int, rank: int, tp: int) -> None:
+        self.inputs, self.n_head = inputs, n_head
+        self.local = n_head // tp
+        self.first = rank * self.local
+        self.where = type(module).__name__
+        forward = inspect.signature(inspect.unwrap(type(module).forward))
+        self.positional = [p.name for p in list(forward.parameters.values())[1:]
+                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs = list(args), dict(kwargs)
+        for spec in self.inputs:
+            if spec.name in kwargs:
+                kwargs[spec.name] = self.cut(spec, kwargs[spec.name])
+            elif spec.position < len(args) and self.positional[spec.position] == spec.name:
+                args[spec.position] = self.cut(spec, args[spec.position])
+        return tuple(args), kwargs
+
+    def cut(self, spec: HeadInput, value: Any) -> Any:
+        """``value`` cut to this rank's heads along its third-to-last dimension (see the module docstring)."""
+        if not isinstance(value, Tensor) or value.dim() < 3 or value.shape[-3] == 1:
+            return value
+        size = value.shape[-3]
+        if not spec.folded and size == self.n_head:
+            return value.narrow(-3, self.first, self.local)
+        if spec.folded and size % self.n_head == 0:
+            heads = value.unflatten(-3, (size // self.n_head, self.n_head))
+            return heads.narrow(-3, self.first, self.local).flatten(-4, -3)
+        raise RuntimeError(f"tp_fused: {self.where} gets {spec.name} of shape {tuple(value.shape)}, whose dimension -3 "
+                           f"holds {size}: not its {self.n_head} heads" + (" times the batch" if spec.folded else "")
+                           + ", so this rank cannot take its heads from it")
+
+
+def install_head_inputs(module: nn.Module, unit: Any, group: Any) -> dict[str, tuple[int, int]]:
+    """Register a :class:`HeadInputSlicer` on every attention of ``unit`` (a plan unit) that has per-head inputs;
+    returns, for the plan report, {``"owner.forward(name=) heads"``: (heads, heads per rank)}."""
+    rows = {}
+    for owner_path, inputs in unit.head_inputs.items():
+        owner = module.get_submodule(owner_path) if owner_path else module
+        n_head, tp = unit.attention_shape.n_head, group_size(group)
+        owner.register_forward_pre_hook(HeadInputSlicer(owner, inputs, n_head, group_rank(group), tp), with_kwargs=True)
+        for spec in inputs:
+            rows[f"{owner_path + '.' if owner_path else ''}forward({spec.name}=) heads"] = (n_head, n_head // tp)
+    return rows
+
