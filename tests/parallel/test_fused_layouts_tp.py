@@ -2,9 +2,15 @@
 wrote (tests/support/fused_families.py, random init, no downloads): Phi-3 (``qkv_proj`` cut ``[q | k | v]`` by
 indexing, GQA; ``gate_up_proj`` chunked ``[gate | up]``), GPT-NeoX (``query_key_value`` interleaved per head), Falcon
 with one key/value head (replicated on both ranks) and with its new decoder architecture (interleaved per key/value
-group). Each has its attention and its MLP split in every block; on 2 gloo ranks at fp32 every step's loss equals
-the single process's (1e-5 relative), and the gathered checkpoint loads strictly into the plain model and equals
-the single process's."""
+group), BLOOM (``query_key_value`` interleaved per head, scores ``alibi.baddbmm(q, k)`` with the heads folded into the
+batch, the ALiBi bias built for all heads outside the attention) and MPT (blocked ``Wqkv``, ALiBi ``position_bias``
+built outside). Each has its attention and its MLP split in every block (each rank's weights of the planned shapes);
+on 2 gloo ranks at fp32 every step's loss equals the single process's (1e-5 relative), and the gathered checkpoint
+loads strictly into the plain model and equals the single process's. At tensor_parallel_size=4 (4 gloo ranks) the
+same holds for Phi-3's fused GQA ``qkv_proj``, its 4 key/value heads split and its 2 key/value heads replicated.
+
+A wrong cut of the ALiBi bias (another rank's heads, or none) fails the one-process check of every rank's shard
+against the whole attention (``test_alibi_attentions_every_rank_against_the_whole``) by O(1)."""
 from __future__ import annotations
 
 import json
@@ -14,12 +20,19 @@ import torch
 
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.trainer.strategy import TensorParallelStrategy
+from support.bounds import gamma
 from support.fused_families import build
 from support.families_zoo import STEPS, Zoo, fit, needs_transformers, rel_loss_diff, state_diff
+from support.optional_deps import require
+from support.simulated_ranks import backward, grad_errors, simulate
 
-SPLIT = ("phi3", "neox", "falcon_mq", "falcon_new")
+SPLIT = ("phi3", "neox", "falcon_mq", "falcon_new", "bloom", "mpt")
 #: per family, per block: its attention's layout as the reading found it
-LAYOUTS = {"phi3": "blocks", "neox": "groups", "falcon_mq": "blocks", "falcon_new": "groups"}
+LAYOUTS = {"phi3": "blocks", "neox": "groups", "falcon_mq": "blocks", "falcon_new": "groups", "bloom": "groups",
+           "mpt": "blocks"}
+#: per family, the inputs of its attention's forward cut to each rank's heads
+HEAD_INPUTS = {"bloom": {"alibi", "attention_mask"}, "mpt": {"position_bias"}}
+TP4 = ("phi3", "phi3_gqa8")  # fused GQA at tensor_parallel_size=4: 2 key/value heads replicated, 4 split
 
 
 @needs_transformers
@@ -36,6 +49,27 @@ def test_each_block_splits_its_attention_and_its_mlp(name):
         assert all(u.chunks == {u.columns[0]: 2} for u in mlps)
     if name == "falcon_mq":  # one key/value head, 2 ranks: kept whole on both, 2 of the 4 query heads each
         assert all(u.attention_shape.replicated(2) for u in attention)
+    assert all({i.name for inputs in u.head_inputs.values() for i in inputs} == HEAD_INPUTS.get(name, set())
+               for u in attention), [u.head_inputs for u in attention]
+
+
+def _local_shapes_match_the_plan(out_dir, names, tp):
+    """Every column and row layer of the plan (attention and MLP of every block) is parallel on rank 0, its weight of
+    the planned per-rank shape: a column's outputs, a row's inputs divided by ``tp`` (key/value rows kept whole)."""
+    with open(out_dir / "local_shapes.json") as f:
+        shapes = json.load(f)
+    for name in names:
+        model = build(name)
+        for unit in build_plan(model, "auto", tp).units:
+            for path in unit.columns + unit.rows:
+                out, inp = model.get_submodule(path).weight.shape
+                heads = unit.qkv_heads.get(path)
+                if heads is not None and heads.replicated(tp):
+                    assert shapes[name][f"{path}.q"] == [heads.blocks[0] // tp, inp], (name, path)
+                    assert shapes[name][f"{path}.kv_weight"] == [out - heads.blocks[0], inp], (name, path)
+                else:
+                    want = [out // tp, inp] if path in unit.columns else [out, inp // tp]
+                    assert shapes[name][path] == want, (name, path, shapes[name].get(path), want)
 
 
 @pytest.mark.slow
@@ -47,6 +81,7 @@ def test_fused_families_tp2_match_single_device(tmp_path):
         converted = json.load(f)
     for name, (columns, rows) in converted.items():  # attention and MLP in each of the 2 blocks
         assert columns >= 4 and rows == 4, f"{name}: {columns} column- and {rows} row-parallel layers at TP=2"
+    _local_shapes_match_the_plan(tmp_path / "tp2", SPLIT, 2)
     ref_state = torch.load(tmp_path / "single" / "final.ckpt", weights_only=False)["state_dict"]
     tp_state = torch.load(tmp_path / "tp2" / "final.ckpt", weights_only=False)["state_dict"]
     Zoo(names=SPLIT).load_state_dict(tp_state)  # strict: the plain model's keys and shapes
@@ -58,3 +93,65 @@ def test_fused_families_tp2_match_single_device(tmp_path):
         assert diffs[name][1] < 1e-5, f"{name}: the checkpoints differ by {diffs[name][1]:.2e}"
     print("\nfamily: max rel loss diff, max ckpt diff (rel. to max |w|)\n" +
           "\n".join(f"  {n}: {a:.2e} {b:.2e}" for n, (a, b) in diffs.items()))
+
+
+@pytest.mark.slow
+@needs_transformers
+def test_fused_gqa_tp4_matches_single_device(tmp_path):
+    """4 gloo ranks: Phi-3's fused ``qkv_proj`` with 4 query heads and 2 key/value heads (one query head per rank,
+    the key/value heads replicated) and with 8 and 4 (2 query heads and 1 key/value head per rank)."""
+    ref, _ = fit(tmp_path / "single", "auto", 1, names=TP4)
+    tp4, _ = fit(tmp_path / "tp4", TensorParallelStrategy(start_method="spawn"), 4, names=TP4)
+    _local_shapes_match_the_plan(tmp_path / "tp4", TP4, 4)
+    ref_state = torch.load(tmp_path / "single" / "final.ckpt", weights_only=False)["state_dict"]
+    tp_state = torch.load(tmp_path / "tp4" / "final.ckpt", weights_only=False)["state_dict"]
+    Zoo(names=TP4).load_state_dict(tp_state)  # strict: the plain model's keys and shapes
+    for name in TP4:
+        assert len(tp4[name]) == len(ref[name]) == STEPS and ref[name][-1] < ref[name][0], (name, ref[name])
+        loss, ckpt = rel_loss_diff(tp4[name], ref[name]), state_diff(tp_state, ref_state, f"families.{name}.")
+        assert loss < 1e-5, f"{name}: TP=4 {tp4[name]} vs one process {ref[name]}"
+        assert ckpt < 1e-5, f"{name}: the checkpoints differ by {ckpt:.2e}"
+        print(f"\n{name} at TP=4: max rel loss diff {loss:.2e}, max ckpt diff {ckpt:.2e}")
+
+
+def _alibi_attention(family: str, heads: int):
+    """A ``transformers`` ALiBi attention (hidden 64, random init, float64), its ALiBi bias and causal mask built as
+    its model builds them, and how to call it (residual zero and out-projection bias zero: the ranks' outputs sum)."""
+    require("transformers")
+    import transformers as t
+    from transformers.models.bloom import modeling_bloom as bloom
+    from transformers.models.mpt import modeling_mpt as mpt
+
+    seq = 5
+    torch.manual_seed(0)
+    if family == "bloom":
+        attn = bloom.BloomAttention(t.BloomConfig(hidden_size=64, n_head=heads, attention_dropout=0.0), layer_idx=0)
+        torch.nn.init.zeros_(attn.dense.bias)
+        alibi = bloom.build_alibi_tensor(torch.ones(2, seq, dtype=torch.long), heads, torch.float64)
+        mask = torch.triu(torch.full((seq, seq), -1e9, dtype=torch.float64), 1)[None, None]
+        return attn.double(), lambda m, x: m(x, torch.zeros_like(x), alibi=alibi, attention_mask=mask)[0]
+    attn = mpt.MptAttention(t.MptConfig(d_model=64, n_heads=heads, max_seq_len=seq), layer_idx=0)
+    bias = mpt.build_mpt_alibi_tensor(heads, seq).double()
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+    return attn.double(), lambda m, x: m(x, position_bias=bias, attention_mask=mask)[0]
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_alibi_attentions_every_rank_against_the_whole(family, tp):
+    """Each rank's shard of BLOOM's and MPT's attention (8 heads, each its own ALiBi slope), run as that rank in one
+    process, summed, against the whole attention in float64 (tests/support/simulated_ranks.py): the output and every
+    gradient within gamma_64 of fp32 (measured: <= 6e-16)."""
+    full, run = _alibi_attention(family, 8)
+    x = torch.randn(2, 5, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    want = run(full, x)
+    grad = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want.backward(grad)
+    _, report, ranks, total = simulate(full, lambda m: run(m, x), tp)
+    backward(total, grad, tp)
+    assert ((total - want).abs().max() / want.abs().max()).item() < gamma(64)
+    errors = grad_errors(full, ranks)
+    assert errors and max(errors.values()) < gamma(64), errors
+    (split,) = report.split
+    inputs = {k for k in split.attributes if "forward(" in k}
+    assert inputs == {f"forward({n}=) heads" for n in HEAD_INPUTS[family]}, split.attributes
