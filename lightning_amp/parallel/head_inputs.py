@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_amp.parallel.data_flow import data_inputs, data_users, reach
@@ -41,23 +42,30 @@ class HeadInput:
 
 def find_head_inputs(graph: ForwardGraph, product: tuple, n_head: int) -> tuple[tuple[HeadInput, ...], Optional[str]]:
     """The inputs of the forward read in ``graph`` that meet the scores of ``product`` ((q, k, v, result), with
-    ``n_head`` query heads), and why they cannot be cut by heads (None when they can)."""
+    ``n_head`` query heads), not through the query or the key (a rotary table), and why they cannot be cut by heads
+    (None when they can)."""
     q, k, _, result = product
     region = (reach([q], lambda n: data_users(graph, n)) & reach([k], lambda n: data_users(graph, n))
               & reach([result], lambda n: data_inputs(graph, n)))
+    scores = {n: graph.shape(n) for n in region}
+    mask = _sdpa_mask(result)
+    if mask is not None:  # F.scaled_dot_product_attention(q, k, v, attn_mask): added to [batch, heads, q, k] scores
+        scores[mask] = (0, 0, 0, 0)
+    upstream = reach([q, k], lambda n: data_inputs(graph, n)) | {q, k}
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     found = []
     for position, node in list(enumerate(placeholders))[1:]:
-        path = reach([node], lambda n: data_users(graph, n), stop=lambda n: n in region)
-        joins = [n for n in path if n in region]
+        path = reach([node], lambda n: data_users(graph, n), stop=lambda n: n in scores or n in upstream) | {node}
+        joins = [n for n in path if n in scores]
         if not joins:
             continue
         name = node.target.lstrip("*")
-        bad = next((n for n in path - region if not _keeps_dims(n)), None)
+        on_the_way = path & reach(joins, lambda n: data_inputs(graph, n)) - {node}
+        bad = next((n for n in on_the_way if not _keeps_dims(n)), None)
         if bad is not None:
             return (), (f"its input {name!r} meets the attention scores after {_op(bad)}, which may move its "
                         "dimension of heads")
-        shapes = {graph.shape(n) for n in joins}
+        shapes = {scores[n] for n in joins}
         if None in shapes or len({folded(s) for s in shapes}) != 1:
             return (), f"the shape of the attention scores where its input {name!r} meets them is not known"
         fold = folded(next(iter(shapes)))
@@ -66,6 +74,13 @@ def find_head_inputs(graph: ForwardGraph, product: tuple, n_head: int) -> tuple[
                         f"cannot tell that the batch comes first (heads {n_head}, batch {READ_BATCH})")
         found.append(HeadInput(name, position - 1, fold))
     return tuple(found), None
+
+
+def _sdpa_mask(result: fx.Node) -> Optional[fx.Node]:
+    if not (result.op == "call_function" and result.target is F.scaled_dot_product_attention):
+        return None
+    mask = result.args[3] if len(result.args) > 3 else result.kwargs.get("attn_mask")
+    return mask if isinstance(mask, fx.Node) else None
 
 
 def _keeps_dims(node: fx.Node) -> bool:
@@ -129,15 +144,13 @@ class HeadInputSlicer:
                            + ", so this rank cannot take its heads from it")
 
 
-def install_head_inputs(module: nn.Module, unit: Any, group: Any) -> dict[str, tuple[int, int]]:
+def install_head_inputs(module: nn.Module, unit: Any, group: Any) -> str:
     """Register a :class:`HeadInputSlicer` on every attention of ``unit`` (a plan unit) that has per-head inputs;
-    returns, for the plan report, {``"owner.forward(name=) heads"``: (heads, heads per rank)}."""
-    rows = {}
+    returns what the plan report adds to the unit's heads line ("" when none)."""
+    names = []
     for owner_path, inputs in unit.head_inputs.items():
         owner = module.get_submodule(owner_path) if owner_path else module
-        n_head, tp = unit.attention_shape.n_head, group_size(group)
-        owner.register_forward_pre_hook(HeadInputSlicer(owner, inputs, n_head, group_rank(group), tp), with_kwargs=True)
-        for spec in inputs:
-            rows[f"{owner_path + '.' if owner_path else ''}forward({spec.name}=) heads"] = (n_head, n_head // tp)
-    return rows
-
+        slicer = HeadInputSlicer(owner, inputs, unit.attention_shape.n_head, group_rank(group), group_size(group))
+        owner.register_forward_pre_hook(slicer, with_kwargs=True)
+        names += [spec.name for spec in inputs]
+    return f"; input(s) {', '.join(dict.fromkeys(names))} cut to each rank's heads where they hold them" if names else ""

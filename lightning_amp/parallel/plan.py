@@ -381,7 +381,7 @@ def apply_checked_plan(module: nn.Module, checked: Plan, group: Any, config: Ten
         split = SplitUnit(unit.family, unit.found_by, _heads_line(unit, tp))
         split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
         split.attributes = _set_head_values(module, unit)
-        split.attributes.update(install_head_inputs(module, unit, group))
+        split.heads += install_head_inputs(module, unit, group)
         _mark_partial_grads(module, unit)
         _divide_head_attrs(module, unit, tp)
         report.split.append(split)

@@ -49,8 +49,9 @@ def test_each_block_splits_its_attention_and_its_mlp(name):
         assert all(u.chunks == {u.columns[0]: 2} for u in mlps)
     if name == "falcon_mq":  # one key/value head, 2 ranks: kept whole on both, 2 of the 4 query heads each
         assert all(u.attention_shape.replicated(2) for u in attention)
-    assert all({i.name for inputs in u.head_inputs.values() for i in inputs} == HEAD_INPUTS.get(name, set())
-               for u in attention), [u.head_inputs for u in attention]
+    if name in HEAD_INPUTS:  # ALiBi (and the masks) cut to each rank's heads
+        assert all({i.name for inputs in u.head_inputs.values() for i in inputs} == HEAD_INPUTS[name]
+                   for u in attention), [u.head_inputs for u in attention]
 
 
 def _local_shapes_match_the_plan(out_dir, names, tp):
@@ -153,5 +154,4 @@ def test_alibi_attentions_every_rank_against_the_whole(family, tp):
     errors = grad_errors(full, ranks)
     assert errors and max(errors.values()) < gamma(64), errors
     (split,) = report.split
-    inputs = {k for k in split.attributes if "forward(" in k}
-    assert inputs == {f"forward({n}=) heads" for n in HEAD_INPUTS[family]}, split.attributes
+    assert f"input(s) {', '.join(sorted(HEAD_INPUTS[family]))} cut to each rank's heads" in split.heads, split.heads
