@@ -6,7 +6,9 @@ After the split a rank computes its own heads only, so such an input must reach 
 softmax) and where: the scores' dimension of heads is their third-to-last one, holding the heads alone
 (``[batch, heads, q, k]``: MPT) or the batch and the heads folded, batch first (``[batch * heads, q, k]``: BLOOM's
 ``bias.baddbmm(q, k^T)``). Broadcasting aligns an input with the scores from the last dimension, so its own
-third-to-last dimension is the one to cut; only slicing and dtype casts may lie between the input and the scores.
+third-to-last dimension is the one to cut. Only an input that reaches the scores through slicing and dtype casts alone
+is cut (one reshaped on the way, as a padding mask ``[batch, keys]`` viewed ``[batch, 1, 1, keys]``, is passed as it
+is: one holding per-head entries then fails the rank's forward on a shape, never silently).
 :class:`HeadInputSlicer` (a forward pre-hook on the attention module) cuts it on each call, for this rank's heads: a
 size-1 dimension (a mask shared by all heads) is left as it is, and any other size than the heads' is an error that
 names the input.
@@ -32,11 +34,10 @@ _CASTS = frozenset({"to", "type_as", "float", "half", "bfloat16", "contiguous"})
 
 @dataclass(frozen=True)
 class HeadInput:
-    """An input of the attention's forward (``name``, or the ``position``-th positional argument after ``self``)
-    whose third-to-last dimension holds the heads, or the batch and the heads folded batch first (``folded``)."""
+    """The input ``name`` of the attention's forward, whose third-to-last dimension holds the heads, or the batch and
+    the heads folded batch first (``folded``)."""
 
     name: str
-    position: int
     folded: bool
 
 
@@ -54,17 +55,17 @@ def find_head_inputs(graph: ForwardGraph, product: tuple, n_head: int) -> tuple[
     upstream = reach([q, k], lambda n: data_inputs(graph, n)) | {q, k}
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     found = []
-    for position, node in list(enumerate(placeholders))[1:]:
+    for node in placeholders[1:]:
+        if node.target.startswith("*"):
+            continue  # ``*args``/``**kwargs``: read as empty
         path = reach([node], lambda n: data_users(graph, n), stop=lambda n: n in scores or n in upstream) | {node}
         joins = [n for n in path if n in scores]
         if not joins:
             continue
-        name = node.target.lstrip("*")
+        name = node.target
         on_the_way = path & reach(joins, lambda n: data_inputs(graph, n)) - {node}
-        bad = next((n for n in on_the_way if not _keeps_dims(n)), None)
-        if bad is not None:
-            return (), (f"its input {name!r} meets the attention scores after {_op(bad)}, which may move its "
-                        "dimension of heads")
+        if not all(_keeps_dims(n) for n in on_the_way):
+            continue  # reshaped on the way (a padding mask [batch, keys] viewed [batch, 1, 1, keys]): left as before
         shapes = {scores[n] for n in joins}
         if None in shapes or len({folded(s) for s in shapes}) != 1:
             return (), f"the shape of the attention scores where its input {name!r} meets them is not known"
@@ -72,7 +73,7 @@ def find_head_inputs(graph: ForwardGraph, product: tuple, n_head: int) -> tuple[
         if fold and not _batch_first(graph, q, n_head):
             return (), (f"its input {name!r} meets scores whose heads are folded into the batch, but the reading "
                         f"cannot tell that the batch comes first (heads {n_head}, batch {READ_BATCH})")
-        found.append(HeadInput(name, position - 1, fold))
+        found.append(HeadInput(name, fold))
     return tuple(found), None
 
 
@@ -103,10 +104,6 @@ def _batch_first(graph: ForwardGraph, q: fx.Node, n_head: int) -> bool:
         node = inputs[0]
 
 
-def _op(node: fx.Node) -> str:
-    return f"{getattr(node.target, '__name__', node.target)}"
-
-
 class HeadInputSlicer:
     """A forward pre-hook (``with_kwargs=True``) that cuts the :class:`HeadInput` s of an attention of ``n_head``
     query heads to heads ``[first, first + local)`` of this rank."""
@@ -125,8 +122,9 @@ class HeadInputSlicer:
         for spec in self.inputs:
             if spec.name in kwargs:
                 kwargs[spec.name] = self.cut(spec, kwargs[spec.name])
-            elif spec.position < len(args) and self.positional[spec.position] == spec.name:
-                args[spec.position] = self.cut(spec, args[spec.position])
+            elif spec.name in self.positional[:len(args)]:
+                position = self.positional.index(spec.name)
+                args[position] = self.cut(spec, args[position])
         return tuple(args), kwargs
 
     def cut(self, spec: HeadInput, value: Any) -> Any:

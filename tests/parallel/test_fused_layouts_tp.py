@@ -130,7 +130,7 @@ def _alibi_attention(family: str, heads: int):
         torch.nn.init.zeros_(attn.dense.bias)
         alibi = bloom.build_alibi_tensor(torch.ones(2, seq, dtype=torch.long), heads, torch.float64)
         mask = torch.triu(torch.full((seq, seq), -1e9, dtype=torch.float64), 1)[None, None]
-        return attn.double(), lambda m, x: m(x, torch.zeros_like(x), alibi=alibi, attention_mask=mask)[0]
+        return attn.double(), lambda m, x: m(x, torch.zeros_like(x), alibi, mask)[0]  # alibi passed by position
     attn = mpt.MptAttention(t.MptConfig(d_model=64, n_heads=heads, max_seq_len=seq), layer_idx=0)
     bias = mpt.build_mpt_alibi_tensor(heads, seq).double()
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
