@@ -68,8 +68,9 @@ class Unit:
     :mod:`~lightning_amp.parallel.replicated_heads`), ``head_values`` (per attribute key, the per-rank value its
     forward needs, see :mod:`~lightning_amp.parallel.heads`) and ``attention_shape`` (the heads it found).
     ``head_inputs``: per attention module path, the inputs of its forward cut to each rank's heads (an ALiBi bias, see
-    :mod:`~lightning_amp.parallel.head_inputs`). ``partial_grads``: modules or params used between the unit's columns and rows (a norm over each head's
-    features): every rank sees only its heads, so their gradients are summed over the TP group.
+    :mod:`~lightning_amp.parallel.head_inputs`). ``partial_grads``: modules or params used between the unit's columns
+    and rows (a norm over each head's features): every rank sees only its heads, so their gradients are summed over
+    the TP group.
     """
 
     family: str

@@ -441,7 +441,8 @@ def read_forward(module: nn.Module, hidden: Optional[int] = None, *, widths: Map
         attempts.insert(0, attempts.pop(attempts.index(_WORKED[memo])))
     first_error = None
     for attempt in attempts:
-        given = {name: torch.empty(_BROADCAST_BIAS, device="meta", dtype=dtype) for name in required} if attempt is _GIVEN else {}
+        given = {} if attempt is not _GIVEN else {
+            name: torch.empty(_BROADCAST_BIAS, device="meta", dtype=dtype) for name in required}
         unknown = () if attempt is _GIVEN else attempt
         tracer = _Reader(first, widths or {}, dtype, given)
         root, owners = _private_tree(module, lambda m, path: tracer.is_leaf_module(m, path))
