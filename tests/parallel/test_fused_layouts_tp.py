@@ -128,7 +128,8 @@ def _alibi_attention(family: str, heads: int):
     if family == "bloom":
         attn = bloom.BloomAttention(t.BloomConfig(hidden_size=64, n_head=heads, attention_dropout=0.0), layer_idx=0)
         torch.nn.init.zeros_(attn.dense.bias)
-        alibi = bloom.build_alibi_tensor(torch.ones(2, seq, dtype=torch.long), heads, torch.float64)
+        padded = torch.tensor([[1] * seq, [0, 0] + [1] * (seq - 2)])  # each batch entry its own ALiBi rows
+        alibi = bloom.build_alibi_tensor(padded, heads, torch.float64)
         mask = torch.triu(torch.full((seq, seq), -1e9, dtype=torch.float64), 1)[None, None]
         return attn.double(), lambda m, x: m(x, torch.zeros_like(x), alibi, mask)[0]  # alibi passed by position
     attn = mpt.MptAttention(t.MptConfig(d_model=64, n_heads=heads, max_seq_len=seq), layer_idx=0)
