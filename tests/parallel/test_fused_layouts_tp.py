@@ -6,8 +6,8 @@ group), BLOOM (``query_key_value`` interleaved per head, scores ``alibi.baddbmm(
 batch, the ALiBi bias built for all heads outside the attention) and MPT (blocked ``Wqkv``, ALiBi ``position_bias``
 built outside). Each has its attention and its MLP split in every block (each rank's weights of the planned shapes);
 on 2 gloo ranks at fp32 every step's loss equals the single process's (1e-5 relative), and the gathered checkpoint
-loads strictly into the plain model and equals the single process's. At tensor_parallel_size=4 (4 gloo ranks) the
-same holds for Phi-3's fused GQA ``qkv_proj``, its 4 key/value heads split and its 2 key/value heads replicated.
+loads strictly into the plain model and equals the single process's. Phi-3's fused GQA at tensor_parallel_size=4 (4
+gloo ranks): tests/parallel/test_torchtitan_tp.py (its 4-rank job).
 
 A wrong cut of the ALiBi bias (another rank's heads, or none) fails the one-process check of every rank's shard
 against the whole attention (``test_alibi_attentions_every_rank_against_the_whole``) by O(1)."""
@@ -21,7 +21,7 @@ import torch
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.trainer.strategy import TensorParallelStrategy
 from support.bounds import gamma
-from support.fused_families import build
+from support.fused_families import assert_split_as_planned, build
 from support.families_zoo import STEPS, Zoo, fit, needs_transformers, rel_loss_diff, state_diff
 from support.optional_deps import require
 from support.simulated_ranks import backward, grad_errors, simulate
@@ -32,7 +32,6 @@ LAYOUTS = {"phi3": "blocks", "neox": "groups", "falcon_mq": "blocks", "falcon_ne
            "mpt": "blocks"}
 #: per family, the inputs of its attention's forward cut to each rank's heads
 HEAD_INPUTS = {"bloom": {"alibi", "attention_mask"}, "mpt": {"position_bias"}}
-TP4 = ("phi3", "phi3_gqa8")  # fused GQA at tensor_parallel_size=4: 2 key/value heads replicated, 4 split
 
 
 @needs_transformers
@@ -54,25 +53,6 @@ def test_each_block_splits_its_attention_and_its_mlp(name):
                    for u in attention), [u.head_inputs for u in attention]
 
 
-def _local_shapes_match_the_plan(out_dir, names, tp):
-    """Every column and row layer of the plan (attention and MLP of every block) is parallel on rank 0, its weight of
-    the planned per-rank shape: a column's outputs, a row's inputs divided by ``tp`` (key/value rows kept whole)."""
-    with open(out_dir / "local_shapes.json") as f:
-        shapes = json.load(f)
-    for name in names:
-        model = build(name)
-        for unit in build_plan(model, "auto", tp).units:
-            for path in unit.columns + unit.rows:
-                out, inp = model.get_submodule(path).weight.shape
-                heads = unit.qkv_heads.get(path)
-                if heads is not None and heads.replicated(tp):
-                    assert shapes[name][f"{path}.q"] == [heads.blocks[0] // tp, inp], (name, path)
-                    assert shapes[name][f"{path}.kv_weight"] == [out - heads.blocks[0], inp], (name, path)
-                else:
-                    want = [out // tp, inp] if path in unit.columns else [out, inp // tp]
-                    assert shapes[name][path] == want, (name, path, shapes[name].get(path), want)
-
-
 @pytest.mark.slow
 @needs_transformers
 def test_fused_families_tp2_match_single_device(tmp_path):
@@ -82,7 +62,10 @@ def test_fused_families_tp2_match_single_device(tmp_path):
         converted = json.load(f)
     for name, (columns, rows) in converted.items():  # attention and MLP in each of the 2 blocks
         assert columns >= 4 and rows == 4, f"{name}: {columns} column- and {rows} row-parallel layers at TP=2"
-    _local_shapes_match_the_plan(tmp_path / "tp2", SPLIT, 2)
+    with open(tmp_path / "tp2" / "local_shapes.json") as f:
+        shapes = json.load(f)
+    for name in SPLIT:  # attention and MLP of each block, of the planned shapes
+        assert_split_as_planned(shapes[name], name, 2)
     ref_state = torch.load(tmp_path / "single" / "final.ckpt", weights_only=False)["state_dict"]
     tp_state = torch.load(tmp_path / "tp2" / "final.ckpt", weights_only=False)["state_dict"]
     Zoo(names=SPLIT).load_state_dict(tp_state)  # strict: the plain model's keys and shapes
@@ -94,25 +77,6 @@ def test_fused_families_tp2_match_single_device(tmp_path):
         assert diffs[name][1] < 1e-5, f"{name}: the checkpoints differ by {diffs[name][1]:.2e}"
     print("\nfamily: max rel loss diff, max ckpt diff (rel. to max |w|)\n" +
           "\n".join(f"  {n}: {a:.2e} {b:.2e}" for n, (a, b) in diffs.items()))
-
-
-@pytest.mark.slow
-@needs_transformers
-def test_fused_gqa_tp4_matches_single_device(tmp_path):
-    """4 gloo ranks: Phi-3's fused ``qkv_proj`` with 4 query heads and 2 key/value heads (one query head per rank,
-    the key/value heads replicated) and with 8 and 4 (2 query heads and 1 key/value head per rank)."""
-    ref, _ = fit(tmp_path / "single", "auto", 1, names=TP4)
-    tp4, _ = fit(tmp_path / "tp4", TensorParallelStrategy(start_method="spawn"), 4, names=TP4)
-    _local_shapes_match_the_plan(tmp_path / "tp4", TP4, 4)
-    ref_state = torch.load(tmp_path / "single" / "final.ckpt", weights_only=False)["state_dict"]
-    tp_state = torch.load(tmp_path / "tp4" / "final.ckpt", weights_only=False)["state_dict"]
-    Zoo(names=TP4).load_state_dict(tp_state)  # strict: the plain model's keys and shapes
-    for name in TP4:
-        assert len(tp4[name]) == len(ref[name]) == STEPS and ref[name][-1] < ref[name][0], (name, ref[name])
-        loss, ckpt = rel_loss_diff(tp4[name], ref[name]), state_diff(tp_state, ref_state, f"families.{name}.")
-        assert loss < 1e-5, f"{name}: TP=4 {tp4[name]} vs one process {ref[name]}"
-        assert ckpt < 1e-5, f"{name}: the checkpoints differ by {ckpt:.2e}"
-        print(f"\n{name} at TP=4: max rel loss diff {loss:.2e}, max ckpt diff {ckpt:.2e}")
 
 
 def _alibi_attention(family: str, heads: int):

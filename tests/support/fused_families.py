@@ -40,3 +40,23 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
     }
     torch.manual_seed(seed)
     return configs[name]()
+
+
+def assert_split_as_planned(shapes: dict, name: str, tp: int) -> None:
+    """Every column and row layer of the plan of ``build(name)`` at ``tp`` (attention and MLP of every block) is
+    parallel, its weight on this rank of the planned shape: a column's outputs, a row's inputs divided by ``tp``; a
+    fused ``[q | k | v]`` with its key/value heads replicated: the query rows divided (``<path>.q``), the key/value
+    rows whole (``<path>.kv_weight``). ``shapes``: {layer path (its ``.kv_weight`` too): a rank's weight shape}."""
+    from lightning_amp.parallel.plan import build_plan
+
+    model = build(name)
+    for unit in build_plan(model, "auto", tp).units:
+        for path in unit.columns + unit.rows:
+            out, inp = model.get_submodule(path).weight.shape
+            heads = unit.qkv_heads.get(path)
+            if heads is not None and heads.replicated(tp):
+                assert list(shapes[f"{path}.q"]) == [heads.blocks[0] // tp, inp], (name, path)
+                assert list(shapes[f"{path}.kv_weight"]) == [out - heads.blocks[0], inp], (name, path)
+            else:
+                want = [out // tp, inp] if path in unit.columns else [out, inp // tp]
+                assert list(shapes[path]) == want, (name, path, shapes.get(path), want)
