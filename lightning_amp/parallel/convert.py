@@ -4,7 +4,8 @@
 path) and replaces each planned layer in place by the parallel layer holding this rank's slice of the module's
 *current* weights (:mod:`~lightning_amp.parallel.layers`, :mod:`~lightning_amp.parallel.fused_qkv`,
 :mod:`~lightning_amp.parallel.replicated_heads`, :mod:`~lightning_amp.parallel.attention`), gives the attributes a
-split attention's forward reads their per-rank values, and returns the :class:`PlanReport`, which the strategies print
+split attention's forward reads their per-rank values and its per-head inputs their cut
+(:mod:`~lightning_amp.parallel.head_input_slicer`), and returns the :class:`PlanReport`, which the strategies print
 at setup on rank 0 and keep as ``strategy.plan_report``. :func:`gathered_state_dict` and
 :func:`load_gathered_state_dict` move checkpoints between the converted model and the plain layout.
 """
@@ -21,6 +22,7 @@ from lightning_amp.parallel.comm import SharedInput
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
+from lightning_amp.parallel.head_input_slicer import install_head_inputs
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.main_grad import mark_sequence_parallel
 from lightning_amp.parallel.plan import TensorParallelPlan, build_plan
@@ -241,6 +243,7 @@ def convert(module: nn.Module, checked: TensorParallelPlan, group: Any, config: 
         split = SplitUnit(unit.family, unit.found_by, _heads_line(unit, tp))
         split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
         split.attributes = _set_head_values(module, unit)
+        split.heads += install_head_inputs(module, unit, group)
         _mark_partial_grads(module, unit)
         _divide_head_attrs(module, unit, tp)
         report.split.append(split)

@@ -38,6 +38,7 @@ from torch import nn
 from lightning_amp.parallel.reading.auto_units import auto_units
 from lightning_amp.parallel.reading.between import between_problem
 from lightning_amp.parallel.reading.families import Unit, is_conv1d, multihead_attention_unit
+from lightning_amp.parallel.reading.head_inputs import HeadInput
 from lightning_amp.parallel.reading.heads import AttentionShape
 from lightning_amp.parallel.reading.projections import is_projection
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
@@ -66,7 +67,9 @@ class Style:
     ``head_size``, ``v_size``, ``layout``, ``groups``), ``head_owner`` (the module whose head-count attributes are
     divided by the TP size), ``config_owner`` (litgpt: the module given a per-rank copy of its ``config``),
     ``per_rank`` (``"module.path:attr"`` -> the value one rank's forward needs, at the TP size it was read for),
-    ``partial_grads`` (params between its columns and rows: gradients summed over the TP group).
+    ``partial_grads`` (params between its columns and rows: gradients summed over the TP group), ``head_inputs``
+    (per attention module path, the inputs of its forward cut to each rank's heads, an ALiBi bias: ``[{"name": ...,
+    "folded": ...}]``, ``folded``: the batch and the heads folded batch first in its third-to-last dimension).
     """
 
     style: str
@@ -83,6 +86,7 @@ class Style:
     config_owner: Optional[str] = None
     per_rank: dict = field(default_factory=dict)
     partial_grads: tuple = ()
+    head_inputs: dict = field(default_factory=dict)
     reason: str = ""
 
     def to_dict(self) -> dict:
@@ -100,11 +104,17 @@ class Style:
                              + f"; a style's fields are {sorted(_DEFAULTS)}")
         _check_style(entry, data["style"])
         kinds = {"chunks": int, "heads": int, "kv_heads": int, "head_size": int, "transposed": bool,
-                 "attention": (dict, type(None)), "per_rank": dict, "partial_grads": (list, tuple)}
+                 "attention": (dict, type(None)), "per_rank": dict, "partial_grads": (list, tuple), "head_inputs": dict}
         for name, kind in kinds.items():
             if name in data and (not isinstance(data[name], kind) or (kind is int and isinstance(data[name], bool))):
                 raise TypeError(f"plan entry {entry!r}: {name} must be {getattr(kind, '__name__', kind)}, "
                                 f"got {data[name]!r}")
+        for path, inputs in data.get("head_inputs", {}).items():
+            if not isinstance(inputs, (list, tuple)) or not all(
+                    isinstance(i, Mapping) and set(i) == {"name", "folded"} and isinstance(i["name"], str)
+                    and isinstance(i["folded"], bool) for i in inputs):
+                raise TypeError(f"plan entry {entry!r}: head_inputs[{path!r}] must be a list of "
+                                f"{{'name': str, 'folded': bool}}, got {inputs!r}")
         values = dict(data)
         values["partial_grads"] = tuple(values.get("partial_grads", ()))
         return cls(**values)
@@ -208,7 +218,8 @@ class TensorParallelPlan(Mapping):
             entries[key] = dataclasses.replace(
                 entries[key], attention=dataclasses.asdict(shape) if shape is not None else None, head_owner=unit.heads,
                 config_owner=unit.head_config, partial_grads=tuple(unit.partial_grads),
-                per_rank={f"{path}:{'.'.join(names)}": value for (path, names), value in unit.head_values.items()})
+                per_rank={f"{path}:{'.'.join(names)}": value for (path, names), value in unit.head_values.items()},
+                head_inputs={path: [dataclasses.asdict(i) for i in inputs] for path, inputs in unit.head_inputs.items()})
         entries.update({path: Style("replicate", reason=why) for path, why in whole.items()})
         return cls(entries, tp)
 
@@ -243,6 +254,8 @@ class TensorParallelPlan(Mapping):
             for where, value in style.per_rank.items():
                 owner, _, names = where.rpartition(":")
                 unit.head_values[(owner, tuple(names.split(".")))] = value
+            unit.head_inputs.update({path: tuple(HeadInput(**i) for i in inputs)
+                                     for path, inputs in style.head_inputs.items()})
         return list(units.values())
 
     @property
@@ -278,6 +291,9 @@ class TensorParallelPlan(Mapping):
                 lines.append(f"    head-count attributes of {unit.heads or 'the model'} (where it has them) divided by the TP size")
             if unit.head_config is not None:
                 lines.append(f"    {unit.head_config}.config: a per-rank copy with this rank's head counts")
+            for path, inputs in unit.head_inputs.items():
+                names = ", ".join(i.name + (" (batch * heads)" if i.folded else "") for i in inputs)
+                lines.append(f"    {path or 'the model'}: input(s) {names} cut to each rank's heads")
         if self.whole:
             lines.append("  left whole:")
             lines += [f"    {path}: {why}" for path, why in self.whole.items()]

@@ -5,9 +5,9 @@ torch's own plan dicts (``ColwiseParallel()``, ``RowwiseParallel()``, ``Sequence
 glob paths give the plan the reading gives; bad entries are refused naming the entry and the reason, before any
 change to the model. On 2 gloo ranks at fp32 (slow): Lightning's example model (torchtitan's Llama, which
 tests/support/torchtitan_llama.py is) trained under tp_fused with its own plan dict, with none, and with the automatic
-plan passed back as JSON, each within 1e-5 of one process per step; the auto plan of Llama, GPT-2, Phi-3 and Falcon
-(both variants) passed back as JSON trains as one process does, and its checkpoint loads strictly into the plain
-model."""
+plan passed back as JSON, each within 1e-5 of one process per step; the auto plan of Llama, GPT-2, Phi-3, Falcon
+(both variants), BLOOM and MPT (their per-head ALiBi inputs held by the plan) passed back as JSON trains as one process
+does, and its checkpoint loads strictly into the plain model."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +23,7 @@ from support.families_zoo import STEPS, Zoo, fit, needs_transformers, rel_loss_d
 from support.processes import run_ranks
 from support.scripts import torchtitan_tp as loop
 
-FAMILIES = ("llama", "gpt2", "phi3", "falcon_mq", "falcon_new")
+FAMILIES = ("llama", "gpt2", "phi3", "falcon_mq", "falcon_new", "bloom", "mpt")
 
 
 def _family(name: str) -> nn.Module:
@@ -49,6 +49,21 @@ def test_the_auto_plan_round_trips_through_json_and_back_as_plan(name):
     assert again == plan and again.format() == plan.format()
     assert build_plan(model, json.loads(text), 2) == plan  # its dict form too
     assert [u.members for u in again.units] == [u.members for u in plan.units] and again.whole == plan.whole
+    assert [u.head_inputs for u in again.units] == [u.head_inputs for u in plan.units]
+    alibi = {"bloom": "alibi", "mpt": "position_bias"}.get(name)  # cut to each rank's heads by the plan's entries
+    assert alibi is None or alibi in {i.name for u in again.units for inputs in u.head_inputs.values() for i in inputs}
+
+
+@needs_transformers
+def test_per_head_inputs_the_plan_states_are_checked_against_the_reading():
+    model = _family("bloom")
+    auto = build_plan(model, "auto", 2).to_dict()
+    key = next(path for path, style in auto.items() if "head_inputs" in style)
+    (path, inputs), = auto[key]["head_inputs"].items()
+    message = _refused(model, dict(auto, **{key: dict(auto[key], head_inputs={path: inputs[:1]})}))
+    assert f"plan entry {key!r}" in message and "a layout the reading cannot confirm" in message
+    with pytest.raises(TypeError, match=f"plan entry '{key}': head_inputs"):
+        build_plan(model, dict(auto, **{key: dict(auto[key], head_inputs={path: ["alibi"]})}), 2)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("yaml") is None, reason="pyyaml is not installed")

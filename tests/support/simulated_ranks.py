@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelConfig
 from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel
-from lightning_amp.parallel.convert import convert as apply_checked_plan
+from lightning_amp.parallel.convert import convert
 from lightning_amp.parallel.plan import build_plan
 from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
 
@@ -42,7 +42,7 @@ def simulate(full: nn.Module, run: Callable[[nn.Module], Tensor], tp: int):
     for rank in range(tp):
         copy_ = copy.deepcopy(full)
         with as_rank(rank, tp):
-            reports.append(apply_checked_plan(copy_, plan, None, TensorParallelConfig()))
+            reports.append(convert(copy_, plan, None, TensorParallelConfig()))
             total = total + run(copy_)
         ranks.append(copy_)
     return plan, reports[0], ranks, total

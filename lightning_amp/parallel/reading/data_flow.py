@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from lightning_amp.parallel.reading.between import _elementwise
+from lightning_amp.parallel.reading.folded_heads import baddbmm_operands, unfolds_scores
 from lightning_amp.parallel.reading.forward_graph import ForwardGraph
 
 _SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax, "softmax"})
@@ -21,6 +22,8 @@ _MATMUL = frozenset({torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm", 
 #: ops that may lie between the attention scores and the softmax, and between the softmax and the product with v
 _SCORE_OPS = frozenset({"masked_fill", "masked_fill_", "float", "to", "type_as", "type", "half", "bfloat16",
                         F.dropout, torch.where, torch.masked_fill})
+#: ``bias.baddbmm(q, k^T)``: scores with an additive bias (BLOOM's ALiBi), heads folded into the batch
+_BADDBMM = frozenset({torch.baddbmm, "baddbmm"})
 
 
 def reach(nodes: Iterable[fx.Node], step, stop=lambda node: False) -> set:
@@ -41,8 +44,8 @@ def _calls(node: fx.Node, targets: frozenset) -> bool:
 
 
 def _score_op(fg: ForwardGraph, node: fx.Node) -> bool:
-    return _calls(node, _SCORE_OPS) or (node.op in ("call_function", "call_method", "call_module")
-                                        and _elementwise(fg.module, node))
+    return _calls(node, _SCORE_OPS) or unfolds_scores(fg, node) or (
+        node.op in ("call_function", "call_method", "call_module") and _elementwise(fg.module, node))
 
 
 _SHAPE_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout"})
@@ -92,13 +95,14 @@ def products(fg: ForwardGraph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]
 
 def _softmax_product(fg: ForwardGraph, softmax: fx.Node):
     scores = {n for n in reach([softmax], lambda n: data_inputs(fg, n), stop=lambda n: not _score_op(fg, n))
-              if _calls(n, _MATMUL)}
+              if _calls(n, _MATMUL | _BADDBMM)}
     product = {n for n in reach([softmax], lambda n: data_users(fg, n), stop=lambda n: not _score_op(fg, n))
                if _calls(n, _MATMUL)}
     if len(scores) != 1 or len(product) != 1:
         return None
     (scores,), (product,) = scores, product
-    q, k, v = scores.args[0], scores.args[1], product.args[1] if len(product.args) > 1 else None
+    q, k = baddbmm_operands(scores) if _calls(scores, _BADDBMM) else scores.args[:2]
+    v = product.args[1] if len(product.args) > 1 else None
     if not all(isinstance(a, fx.Node) for a in (q, k, v)) or v in reach([softmax], lambda n: n.users):
         return None
     return q, k, v, product

@@ -67,8 +67,10 @@ class Unit:
     ``replicated_heads`` (per key or value projection kept whole on every rank: its head count and size, see
     :mod:`~lightning_amp.parallel.replicated_heads`), ``head_values`` (per attribute key, the per-rank value its
     forward needs, see :mod:`~lightning_amp.parallel.reading.heads`) and ``attention_shape`` (the heads it found).
-    ``partial_grads``: modules or params used between the unit's columns and rows (a norm over each head's
-    features): every rank sees only its heads, so their gradients are summed over the TP group.
+    ``head_inputs``: per attention module path, the inputs of its forward cut to each rank's heads (an ALiBi bias, see
+    :mod:`~lightning_amp.parallel.reading.head_inputs`). ``partial_grads``: modules or params used between the unit's
+    columns and rows (a norm over each head's features): every rank sees only its heads, so their gradients are summed
+    over the TP group.
     """
 
     family: str
@@ -87,6 +89,7 @@ class Unit:
     replicated_heads: dict[str, tuple[int, int]] = field(default_factory=dict)
     head_values: dict[tuple[str, tuple[str, ...]], int] = field(default_factory=dict)
     attention_shape: Optional[object] = None
+    head_inputs: dict[str, tuple] = field(default_factory=dict)  # attention path -> its per-head inputs (ALiBi)
 
     @property
     def members(self) -> list[str]:

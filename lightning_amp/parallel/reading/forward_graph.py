@@ -46,6 +46,11 @@ Key = tuple[str, tuple[str, ...]]
 
 _UNKNOWN = object()
 _BATCH, _SEQ = 2, 5  # the shape given to the first input: (batch, sequence, hidden)
+READ_BATCH = _BATCH
+#: what a required input is read as when the forward cannot be read without knowing its shape (``len(bias.shape)``):
+#: an additive bias broadcast over everything, as MPT's ALiBi ``position_bias`` is checked to be (3 dimensions)
+_BROADCAST_BIAS = (1, 1, 1)
+_GIVEN = ("<the required inputs given as broadcast biases>",)  # a reading attempt
 _ELEMENTWISE_BINARY = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
                                  torch.mul, torch.div, "add", "sub", "mul", "div", "add_", "mul_", "sub_", "div_"})
 
@@ -147,9 +152,9 @@ class _Reader(fx.Tracer):
     """fx's tracer with meta values (see the module docstring)."""
 
     def __init__(self, first_input: Optional[torch.Tensor], widths: Mapping[str, tuple[int, int]],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, given: Mapping[str, torch.Tensor] = None) -> None:
         super().__init__()
-        self.first_input, self.widths, self.dtype = first_input, dict(widths), dtype
+        self.first_input, self.widths, self.dtype, self.given = first_input, dict(widths), dtype, dict(given or {})
         self.values: dict = {}
         self.errors: dict = {}
         self._placeholders = 0
@@ -194,13 +199,15 @@ class _Reader(fx.Tracer):
     def _evaluate(self, node: fx.Node) -> Any:
         if node.op == "placeholder":
             self._placeholders += 1
+            if self._placeholders > 1 and node.target in self.given:
+                return self.given[node.target]
             return self.first_input if self._placeholders == 1 and self.first_input is not None else _UNKNOWN
         if node.op == "get_attr":
             return _to_meta(_resolve(self.root, node.target))
         args, unknown = _materialize(node.args, self.values)
         kwargs, unknown_kw = _materialize(node.kwargs, self.values)
         if unknown:
-            return self._partly_known(node, args)
+            return self._partly_known(node, args, kwargs)
         if unknown_kw:  # an optional input the reading does not know (a mask): run without it
             kwargs = {k: v for k, v in kwargs.items() if k not in unknown_kw}
         try:
@@ -210,10 +217,11 @@ class _Reader(fx.Tracer):
                 self.errors[node] = error
             return _UNKNOWN
 
-    def _partly_known(self, node: fx.Node, args: tuple) -> Any:
+    def _partly_known(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         """An elementwise op of a known activation (3 dims or more: batch, sequence, ...) and an unknown tensor
-        keeps the activation's shape (a rotary table broadcasts over it); a projection of an unknown input (the
-        encoder states of a cross-attention) is read as (batch, sequence, its outputs)."""
+        keeps the activation's shape (a rotary table broadcasts over it), as ``bias.baddbmm(q, k)`` of an unknown
+        bias keeps ``q @ k``'s; a projection of an unknown input (the encoder states of a cross-attention) is read as
+        (batch, sequence, its outputs)."""
         if node.op == "call_module":
             module = self.root.get_submodule(node.target)
             if is_projection(module):
@@ -227,6 +235,10 @@ class _Reader(fx.Tracer):
                     return args[0][index]
                 except Exception:  # noqa: BLE001 (not an index the tensor takes: unknown)
                     return _UNKNOWN
+        if node.target in ("baddbmm", torch.baddbmm):
+            batches = list(args[1:3]) + [kwargs.get(k) for k in ("batch1", "batch2")][len(args[1:3]):]
+            if all(isinstance(b, torch.Tensor) for b in batches):
+                return torch.bmm(*batches)
         if node.target in _ELEMENTWISE_BINARY and len(args) == 2:
             known = [a for a in args if isinstance(a, torch.Tensor)]
             if len(known) == 1 and known[0].dim() >= 3:
@@ -400,6 +412,13 @@ def _defaults(module: nn.Module) -> dict[str, Any]:
             if p.default is not inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
+def required_inputs(module: nn.Module) -> list[str]:
+    """The parameters of ``module.forward`` after the first that have no default."""
+    parameters = list(inspect.signature(inspect.unwrap(type(module).forward)).parameters.values())[2:]
+    return [p.name for p in parameters
+            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 def read_forward(module: nn.Module, hidden: Optional[int] = None, *, widths: Mapping[str, tuple[int, int]] = None,
                  values: Optional[Mapping[Key, int]] = None, unknown: Iterable[str] = (),
                  dtype: torch.dtype = torch.float32) -> ForwardGraph:
@@ -414,12 +433,18 @@ def read_forward(module: nn.Module, hidden: Optional[int] = None, *, widths: Map
     # defaults kept (input_pos=None: no KV cache); a None that the forward needs (position_embeddings=None)
     # is read as an unknown input instead, one at a time, then all together
     attempts = [()] + [(name,) for name in optional] + ([tuple(optional)] if len(optional) > 1 else [])
+    # last, where nothing else reads: the required inputs read as broadcast biases (their shape is asked for)
+    required = required_inputs(module)
+    attempts += [_GIVEN] if required else []
     memo = (inspect.unwrap(type(module).forward), tuple(sorted(defaults)))
     if _WORKED.get(memo) in attempts:  # what worked for this forward before goes first
         attempts.insert(0, attempts.pop(attempts.index(_WORKED[memo])))
     first_error = None
-    for unknown in attempts:
-        tracer = _Reader(first, widths or {}, dtype)
+    for attempt in attempts:
+        given = {} if attempt is not _GIVEN else {
+            name: torch.empty(_BROADCAST_BIAS, device="meta", dtype=dtype) for name in required}
+        unknown = () if attempt is _GIVEN else attempt
+        tracer = _Reader(first, widths or {}, dtype, given)
         root, owners = _private_tree(module, lambda m, path: tracer.is_leaf_module(m, path))
         for key, value in int_fields(owners).items():
             _set(owners, key, Tagged(values.get(key, value) if values else value, [key]))
@@ -429,7 +454,7 @@ def read_forward(module: nn.Module, hidden: Optional[int] = None, *, widths: Map
         except Exception as error:  # noqa: BLE001 (whatever the forward raised under tracing is the reason)
             first_error = first_error or error
             continue
-        _WORKED[memo] = unknown
+        _WORKED[memo] = attempt
         return ForwardGraph(root, graph, tracer.values, tracer.errors)
     reason = (str(first_error).strip().splitlines() or [""])[0][:200]
     raise ForwardUnreadable(f"{type(first_error).__name__}: {reason}")

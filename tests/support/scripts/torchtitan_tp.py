@@ -1,7 +1,8 @@
 """The torchtitan-style Llama (:mod:`support.torchtitan_llama`) trained with Fabric, the loop shared by
 tests/parallel/test_torchtitan_tp.py (one process) and its ranks (``python -m support.scripts.torchtitan_tp OUT RUNS_JSON``, started
 as torchrun would; one Fabric per run, the process group reused). Each result is saved as ``OUT/<name>.rank<r>.pt``.
-A run of the name ``litgpt:<config>`` runs :mod:`support.scripts.litgpt_tp`'s loop instead. ``plan``: None (``"auto"``),
+A run of the name ``litgpt:<config>`` runs :mod:`support.scripts.litgpt_tp`'s loop instead; ``hf:<family>`` trains the
+``transformers`` model of :mod:`support.fused_families` (tokens -> logits) in this loop. ``plan``: None (``"auto"``),
 ``"lightning"`` (the plan dicts of Lightning's tensor-parallel example, :func:`lightning_example_plan`, given as they
 are) or ``"auto_json"`` (the automatic plan read in this process, passed as its JSON text)."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_amp.fabric import FabricAmpPrecision, TensorParallelStrategy
-from support import torchtitan_llama as tt
+from support import fused_families, torchtitan_llama as tt
 from support.renamed import rename_instances
 
 VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 3
@@ -82,7 +83,20 @@ def _plan(name: str, plan, devices: int):
     return "auto" if plan is None else plan
 
 
-def model(name: str) -> tt.Transformer:
+class HFLogits(torch.nn.Module):
+    """A causal LM of :mod:`support.fused_families` called as this loop calls a model: tokens -> logits."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.lm = fused_families.build(family)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=tokens).logits
+
+
+def model(name: str) -> torch.nn.Module:
+    if name.startswith("hf:"):
+        return HFLogits(name[3:])
     heads, kv, meta, renamed = CONFIGS[name]
     torch.manual_seed(0)
     built = tt.Transformer(tt.ModelArgs(dim=32, n_layers=2, n_heads=heads, n_kv_heads=kv, vocab_size=VOCAB,
