@@ -12,9 +12,9 @@ from lightning_amp import strategy_base
 from lightning_amp._moved import MOVED
 from lightning_amp.amp.ladder import rules as ladder_rules, snapshot as ladder_snapshot
 from lightning_amp.amp.o2 import policy as o2_policy
-from lightning_amp.parallel import comm, convert
-from lightning_amp.parallel.reading import (auto_units, between, data_flow, families, forward_graph, heads, projections,
-                                            qkv_heads, structure, unsplit)
+from lightning_amp.parallel import comm, convert, fused_qkv
+from lightning_amp.parallel.reading import (auto_units, between, families, forward_graph, heads, projections, qkv_heads,
+                                            structure, unsplit)
 from lightning_amp.trainer import precision as trainer_precision, strategy as trainer_strategy
 
 
@@ -30,7 +30,7 @@ OLD_PATHS = {
     # issue 47's moves: no file at the old path (lightning_amp._moved.OldPathFinder)
     "lightning_amp.parallel.auto_units": (auto_units, ("auto_units", "AutoUnits")),
     "lightning_amp.parallel.between": (between, ("between_problem",)),
-    "lightning_amp.parallel.data_flow": (data_flow, ("products", "reach", "sources")),
+    "lightning_amp.parallel.data_flow": (forward_graph, ("products", "reach", "sources")),
     "lightning_amp.parallel.families": (families, ("Unit", "find_units", "HEAD_ATTRS")),
     "lightning_amp.parallel.forward_graph": (forward_graph, ("read_forward", "ForwardGraph")),
     "lightning_amp.parallel.heads": (heads, ("AttentionShape", "attention_unit")),
@@ -40,6 +40,7 @@ OLD_PATHS = {
     "lightning_amp.parallel.unsplit": (unsplit, ("unsplit_problems", "accepted")),
     "lightning_amp.parallel.report": (convert, ("PlanReport", "SplitUnit", "Conversion")),
     "lightning_amp.parallel.shared_input": (comm, ("SharedInput",)),
+    "lightning_amp.parallel.replicated_heads": (fused_qkv, ("ReplicatedHeadsLinear",)),
 }
 
 

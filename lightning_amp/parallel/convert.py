@@ -3,10 +3,9 @@
 :func:`convert` takes a checked :class:`~lightning_amp.parallel.plan.TensorParallelPlan` (automatic or explicit: one
 path) and replaces each planned layer in place by the parallel layer holding this rank's slice of the module's
 *current* weights (:mod:`~lightning_amp.parallel.layers`, :mod:`~lightning_amp.parallel.fused_qkv`,
-:mod:`~lightning_amp.parallel.replicated_heads`, :mod:`~lightning_amp.parallel.attention`), gives the attributes a
-split attention's forward reads their per-rank values and its per-head inputs their cut
-(:mod:`~lightning_amp.parallel.head_input_slicer`), and returns the :class:`PlanReport`, which the strategies print
-at setup on rank 0 and keep as ``strategy.plan_report``. :func:`gathered_state_dict` and
+:mod:`~lightning_amp.parallel.attention`), gives the attributes a split attention's forward reads their per-rank values
+and its per-head inputs their cut (:mod:`~lightning_amp.parallel.head_input_slicer`), and returns the
+:class:`PlanReport`, which the strategies print at setup on rank 0 and keep as ``strategy.plan_report``. :func:`gathered_state_dict` and
 :func:`load_gathered_state_dict` move checkpoints between the converted model and the plain layout.
 """
 from __future__ import annotations
@@ -20,7 +19,7 @@ from torch import nn
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
 from lightning_amp.parallel.comm import SharedInput
 from lightning_amp.parallel.config import TensorParallelConfig
-from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
+from lightning_amp.parallel.fused_qkv import ReplicatedHeadsLinear, ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
 from lightning_amp.parallel.head_input_slicer import install_head_inputs
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -28,7 +27,6 @@ from lightning_amp.parallel.main_grad import mark_sequence_parallel
 from lightning_amp.parallel.plan import TensorParallelPlan, build_plan
 from lightning_amp.parallel.reading.families import HEAD_ATTRS, Unit
 from lightning_amp.parallel.reading.heads import AttentionShape
-from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
 from lightning_amp.parallel.sequence import install_boundaries, plan_runs
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read

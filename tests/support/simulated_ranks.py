@@ -18,10 +18,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelConfig
-from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel
+from lightning_amp.parallel.fused_qkv import ReplicatedHeadsLinear, ReplicatedKVColumnParallel
 from lightning_amp.parallel.convert import convert
 from lightning_amp.parallel.plan import build_plan
-from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
 
 
 @contextlib.contextmanager

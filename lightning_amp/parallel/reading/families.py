@@ -65,7 +65,7 @@ class Unit:
 
     Units found by structure (:mod:`~lightning_amp.parallel.reading.structure`, ``found_by="structure"``) also carry
     ``replicated_heads`` (per key or value projection kept whole on every rank: its head count and size, see
-    :mod:`~lightning_amp.parallel.replicated_heads`), ``head_values`` (per attribute key, the per-rank value its
+    :mod:`~lightning_amp.parallel.fused_qkv`), ``head_values`` (per attribute key, the per-rank value its
     forward needs, see :mod:`~lightning_amp.parallel.reading.heads`) and ``attention_shape`` (the heads it found).
     ``head_inputs``: per attention module path, the inputs of its forward cut to each rank's heads (an ALiBi bias, see
     :mod:`~lightning_amp.parallel.reading.head_inputs`). ``partial_grads``: modules or params used between the unit's

@@ -20,9 +20,7 @@ from typing import Optional
 import torch.fx as fx
 import torch.nn.functional as F
 
-from lightning_amp.parallel.reading.data_flow import data_inputs, data_users, reach
-from lightning_amp.parallel.reading.folded_heads import folded
-from lightning_amp.parallel.reading.forward_graph import READ_BATCH, ForwardGraph
+from lightning_amp.parallel.reading.forward_graph import READ_BATCH, ForwardGraph, data_inputs, data_users, folded, reach
 
 _CASTS = frozenset({"to", "type_as", "float", "half", "bfloat16", "contiguous"})
 

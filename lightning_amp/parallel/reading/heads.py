@@ -36,12 +36,10 @@ import torch.fx as fx
 from torch import nn
 
 from lightning_amp.parallel.reading.between import _elementwise
-from lightning_amp.parallel.reading.data_flow import products, reach, sources
 from lightning_amp.parallel.reading.families import Unit
-from lightning_amp.parallel.reading.folded_heads import heads_at
+from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, Key, heads_at, optional_inputs,
+                                                          products, reach, read_forward, sources, tags_of)
 from lightning_amp.parallel.reading.head_inputs import find_head_inputs
-from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, Key, optional_inputs, read_forward,
-                                                  tags_of)
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
 from lightning_amp.parallel.reading.projections import is_conv1d, is_projection, widths_of
 

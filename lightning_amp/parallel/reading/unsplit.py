@@ -19,9 +19,8 @@ from typing import Optional, Sequence
 
 from torch import nn
 
-from lightning_amp.parallel.reading.data_flow import products, sources
 from lightning_amp.parallel.reading.families import HEAD_ATTRS
-from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, read_forward
+from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, products, read_forward, sources
 from lightning_amp.parallel.reading.heads import attention_unit
 from lightning_amp.parallel.reading.projections import is_projection, widths_of
 
