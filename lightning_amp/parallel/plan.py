@@ -38,9 +38,9 @@ from torch import nn
 from lightning_amp.parallel.reading.auto_units import auto_units
 from lightning_amp.parallel.reading.between import between_problem
 from lightning_amp.parallel.reading.families import Unit, is_conv1d, multihead_attention_unit
+from lightning_amp.parallel.reading.forward_graph import is_projection
 from lightning_amp.parallel.reading.head_inputs import HeadInput
 from lightning_amp.parallel.reading.heads import AttentionShape
-from lightning_amp.parallel.reading.projections import is_projection
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
 from lightning_amp.parallel.reading.unsplit import accepted, unmatched_globs, unsplit_problems
 

@@ -39,12 +39,8 @@ from typing import Callable, Optional
 from torch import nn
 
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
-from lightning_amp.parallel.reading.projections import is_conv1d  # noqa: F401 (re-exported)
+from lightning_amp.parallel.reading.forward_graph import ELEMENTWISE, is_conv1d  # noqa: F401 (is_conv1d re-exported)
 
-ELEMENTWISE = (
-    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
-    nn.Hardswish, nn.Identity, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardtanh,
-)
 #: head-count attributes divided by the TP size on a split attention module (when present as ints)
 HEAD_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head", "num_key_value_heads", "n_kv_heads",
               "all_head_size", "split_size")

@@ -22,6 +22,10 @@ compute (:mod:`~lightning_amp.parallel.reading.structure`). Three things go beyo
 ``forward`` methods wrapped by decorators (``functools.wraps``, as ``transformers`` does) are read unwrapped.
 :class:`ForwardUnreadable` says why a forward cannot be read (fx's own reason).
 
+**The layers and ops a reading knows**: projections, the layers a plan splits (``nn.Linear`` and ``transformers``'
+``Conv1D``: :func:`is_projection`, :func:`widths_of`), and ops that act elementwise (:data:`ELEMENTWISE` modules,
+functions and tensor methods), which a column layer's shard may pass through.
+
 **Walks along the data** of a :class:`ForwardGraph` (:func:`sources`, :func:`data_inputs`, :func:`data_users`,
 :func:`reach`): which projections a value is computed from, where a projection's output goes, and the attention
 products of a forward (:func:`products`). Shapes, sizes and dtypes read off a tensor (``x.shape[:-1]`` for a reshape)
@@ -51,8 +55,55 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.proxy import Attribute, Proxy, TraceError
 
-from lightning_amp.parallel.reading.between import _elementwise
-from lightning_amp.parallel.reading.projections import is_conv1d, is_projection, widths_of
+
+# ------------------------------------------------------------------- the layers and ops a reading knows
+
+def is_conv1d(module: nn.Module) -> bool:
+    """``transformers``' ``Conv1D``: a Linear storing its weight as ``[in, out]`` (``nx``, ``nf``). Reads the module's
+    dicts, not ``getattr``, which ``torch.fx`` replaces while it traces."""
+    if type(module).__name__ != "Conv1D":
+        return False
+    weight = module._parameters.get("weight")
+    return isinstance(vars(module).get("nf"), int) and weight is not None and tuple(weight.shape) == (module.nx, module.nf)
+
+
+def is_projection(module: nn.Module) -> bool:
+    """A layer the plan can split: ``nn.Linear`` or ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def widths_of(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a projection."""
+    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
+
+
+#: modules that act elementwise (a column layer's shard may pass through them)
+ELEMENTWISE = (
+    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
+    nn.Hardswish, nn.Identity, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardtanh,
+)
+_ELEMENTWISE_FUNCTIONS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.exp, torch.erf, torch.tanh,
+    torch.sigmoid, torch.relu, torch.clamp, torch.sqrt, torch.abs,
+    F.relu, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.relu6, F.hardswish, F.hardtanh,
+    F.softplus, F.sigmoid, F.tanh, F.dropout,
+})
+_ELEMENTWISE_METHODS = frozenset({
+    "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "relu", "clamp", "sqrt", "abs",
+    "float", "half", "bfloat16", "to", "type", "type_as", "contiguous",
+})
+
+
+def _elementwise(owner: nn.Module, node) -> bool:
+    if node.op == "call_module":
+        return isinstance(owner.get_submodule(node.target), ELEMENTWISE)
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    return False
+
 
 #: an attribute that holds an int: (module path relative to the read module, attribute names from that module);
 #: ``("blocks.0.attn", ("n_heads",))`` or, through a plain object, ``("attn", ("config", "n_head"))``

@@ -35,13 +35,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from lightning_amp.parallel.reading.between import _elementwise
 from lightning_amp.parallel.reading.families import Unit
-from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, Key, heads_at, optional_inputs,
-                                                          products, reach, read_forward, sources, tags_of)
+from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, Key, _elementwise, heads_at,
+                                                          is_conv1d, is_projection, optional_inputs, products, reach,
+                                                          read_forward, sources, tags_of, widths_of)
 from lightning_amp.parallel.reading.head_inputs import find_head_inputs
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
-from lightning_amp.parallel.reading.projections import is_conv1d, is_projection, widths_of
 
 _MAX_TRIES = 256  # attribute combinations read at most per attention
 _SPLIT_METHODS = frozenset({"split", "chunk", "tensor_split"})

@@ -29,11 +29,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from lightning_amp.parallel.reading.between import _elementwise
 from lightning_amp.parallel.reading.families import Unit
-from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, data_inputs, data_users,
-                                                          products, reach, read_forward, sources)
-from lightning_amp.parallel.reading.projections import is_conv1d, is_projection, widths_of
+from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, _elementwise, data_inputs,
+                                                          data_users, is_conv1d, is_projection, products, reach,
+                                                          read_forward, sources, widths_of)
 from lightning_amp.parallel.reading.heads import attention_unit
 
 

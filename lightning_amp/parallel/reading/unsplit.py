@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 from torch import nn
 
 from lightning_amp.parallel.reading.families import HEAD_ATTRS
-from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, products, read_forward, sources
+from lightning_amp.parallel.reading.forward_graph import (ForwardUnreadable, is_projection, products, read_forward,
+                                                          sources, widths_of)
 from lightning_amp.parallel.reading.heads import attention_unit
-from lightning_amp.parallel.reading.projections import is_projection, widths_of
 
 _HEAD_COUNTS = HEAD_ATTRS + ("head_dim", "head_size", "num_kv_heads", "n_local_heads", "attention_head_size")
 _ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
