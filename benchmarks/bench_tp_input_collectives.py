@@ -29,7 +29,7 @@ def run(rank: int, port: int, args) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_amp.parallel import TensorParallelConfig
-    from lightning_amp.parallel.plan import convert_model
+    from lightning_amp.parallel.convert import convert_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -311,7 +311,7 @@ def watched(model):
 def tp_rank(rank: int, init_file: str) -> dict:
     """One rank of the tensor-parallel run: a gloo group of ``TP["tp"]`` ranks met through ``init_file``; the plan
     built and applied as ``tp_fused`` does at setup (:func:`~lightning_amp.parallel.plan.build_plan`, then
-    :func:`~lightning_amp.parallel.plan.apply_checked_plan` with this rank's slices of the same seeded weights); one
+    :func:`~lightning_amp.parallel.convert.convert` with this rank's slices of the same seeded weights); one
     forward and backward of a seeded batch of tokens watched (:func:`watched`). Returns the plan's units, the plan
     report (as a dict and as text), per converted layer the slice this rank holds (:func:`held_slice`), the
     collectives, the leaf modules in forward order with their classes before and after, and the largest difference
@@ -320,7 +320,8 @@ def tp_rank(rank: int, init_file: str) -> dict:
     import torch.distributed as dist
 
     from lightning_amp.parallel import TensorParallelConfig
-    from lightning_amp.parallel.plan import PARALLEL_LAYERS, apply_checked_plan, build_plan
+    from lightning_amp.parallel.convert import PARALLEL_LAYERS, convert as apply_checked_plan
+    from lightning_amp.parallel.plan import build_plan
 
     torch.set_num_threads(1)
     tp = TP["tp"]

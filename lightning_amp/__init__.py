@@ -7,9 +7,11 @@ that its argument parsing and ``--help`` import no torch (:mod:`lightning_amp._c
 import importlib
 
 from lightning_amp._command import started_as_command as _started_as_command
+from lightning_amp._moved import install_old_paths as _install_old_paths
 from lightning_amp._version import version as _version
 
 __version__ = _version()
+_install_old_paths()
 
 if _started_as_command():
     def __getattr__(name: str):

@@ -2,9 +2,13 @@
 
 A module at an old path calls :func:`alias` with its own ``__name__``; the import then yields the new module
 itself (``lightning_amp.precision is lightning_amp.trainer.precision``), so a monkeypatch or an ``isinstance``
-through the old path meets the same objects. The old paths work through release 0.2 and are removed after it.
+through the old path meets the same objects. An old path with no file there (the moves of issue 47, whose files
+moved with ``git mv`` so that merges follow them) is served the same way by :class:`OldPathFinder`, which
+``import lightning_amp`` installs. The old paths work through release 0.2 and are removed after it.
 """
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 import warnings
 from types import ModuleType
@@ -17,6 +21,15 @@ MOVED = {
     "lightning_amp.amp.ladder_rules": "lightning_amp.amp.ladder.rules",
     "lightning_amp.amp.ladder_snapshot": "lightning_amp.amp.ladder.snapshot",
     "lightning_amp.amp.o2_policy": "lightning_amp.amp.o2.policy",
+    # issue 47: the model reading in its own sub-package; the plan report beside the conversion that makes it
+    **{f"lightning_amp.parallel.{name}": f"lightning_amp.parallel.reading.{name}"
+       for name in ("auto_units", "between", "families", "forward_graph", "heads", "qkv_heads", "structure", "unsplit")},
+    # the layers and ops a reading knows, and the walks along its data, beside the graph they read
+    "lightning_amp.parallel.data_flow": "lightning_amp.parallel.reading.forward_graph",
+    "lightning_amp.parallel.projections": "lightning_amp.parallel.reading.forward_graph",
+    "lightning_amp.parallel.replicated_heads": "lightning_amp.parallel.fused_qkv",  # key/value heads kept whole: one home
+    "lightning_amp.parallel.report": "lightning_amp.parallel.convert",
+    "lightning_amp.parallel.shared_input": "lightning_amp.parallel.comm",
 }
 
 
@@ -29,3 +42,23 @@ def alias(old: str) -> ModuleType:
     module = importlib.import_module(new)
     sys.modules[old] = module
     return module
+
+
+class OldPathFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves an old path of :data:`MOVED` that has no file of its own: the import is :func:`alias`'s (a warning,
+    then the new module itself). Last on ``sys.meta_path``, so a file at an old path is found first."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
+
+    def create_module(self, spec):
+        return alias(spec.name)
+
+    def exec_module(self, module) -> None:
+        """Nothing to run: the module at the new path was imported by :meth:`create_module`."""
+
+
+def install_old_paths() -> None:
+    """Put one :class:`OldPathFinder` last on ``sys.meta_path`` (once per process)."""
+    if not any(isinstance(finder, OldPathFinder) for finder in sys.meta_path):
+        sys.meta_path.append(OldPathFinder())

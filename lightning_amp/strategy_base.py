@@ -24,7 +24,8 @@ from torch import nn
 from lightning_amp.group_exit import destroy_group_at_exit
 from lightning_amp.parallel.already_parallel import refuse_already_parallel
 from lightning_amp.parallel.config import TensorParallelConfig
-from lightning_amp.parallel.report import PlanReport
+from lightning_amp.parallel.convert import PlanReport
+from lightning_amp.parallel.plan import TensorParallelPlan
 from lightning_amp.parallel.runtime import TensorParallelRuntime
 
 
@@ -42,6 +43,13 @@ class TensorParallelStrategyMixin:
     def config(self) -> TensorParallelConfig:
         """The validated, frozen tensor-parallel options."""
         return self.runtime.config
+
+    @property
+    def plan(self) -> Optional[TensorParallelPlan]:
+        """The checked plan (:class:`~lightning_amp.parallel.plan.TensorParallelPlan`: ``{module path: style}``) the
+        model was split by: set at setup, None before. Print it, edit it, pass it back as ``plan=`` (also as
+        ``plan.to_dict()`` or ``plan.to_json()``)."""
+        return self.runtime.plan
 
     @property
     def plan_report(self) -> Optional[PlanReport]:

@@ -34,6 +34,10 @@ NOT_CHECKED = {
     "ColumnParallelLinear": "an nn.Module with torch's Linear arguments", "RowParallelLinear": "as ColumnParallelLinear",
     "ParallelMultiheadAttention": "as ColumnParallelLinear", "MainGradBuffer": "built by the strategy",
     "ParallelGroups": "built by the strategy", "AmpRuntime": "built by the plugins (plugin.amp)",
+    "TensorParallelPlan": "made by build_plan or TensorParallelPlan.parse, which name a bad entry and its reason "
+                          "(tests/parallel/test_plan_value.py); its constructor takes a mapping",
+    "Style": "a frozen dataclass (Python names a wrong keyword); its dict form is checked by TensorParallelPlan.parse, "
+             "naming the entry and the fields a style has",
 }
 PLUGINS = [lightning_amp.AmpPrecision, lightning_amp.AmpO2Precision, fabric.FabricAmpPrecision,
            fabric.FabricAmpO3Precision]

@@ -69,7 +69,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
         sequence_parallel: bool = False,
         gradient_accumulation_fusion: bool = True,
         async_grad_allreduce: bool = True,
-        plan: Union[str, Mapping[str, str]] = "auto",
+        plan: Union[str, Mapping[str, Any]] = "auto",
         process_group_backend: Optional[str] = None,
         sequence_dim: Optional[int] = None,
         bucket_numel: int = 2**22,

@@ -7,7 +7,8 @@ from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.groups import ParallelGroups, build_groups
 from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_amp.parallel.main_grad import MainGradBuffer, clip_grad_norm_, tp_grad_norm
-from lightning_amp.parallel.plan import apply_plan
+from lightning_amp.parallel.convert import apply_plan
+from lightning_amp.parallel.plan import Style, TensorParallelPlan
 
 __all__ = [
     "ColumnParallelLinear",
@@ -15,7 +16,9 @@ __all__ = [
     "ParallelGroups",
     "ParallelMultiheadAttention",
     "RowParallelLinear",
+    "Style",
     "TensorParallelConfig",
+    "TensorParallelPlan",
     "apply_plan",
     "build_groups",
     "clip_grad_norm_",

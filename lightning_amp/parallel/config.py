@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from lightning_amp._keywords import checks_keywords
+from lightning_amp.parallel.plan import TensorParallelPlan, validate_unsplit_ok
 from lightning_amp.parallel.sequence import validate_sequence_dim
-
-KINDS = ("column", "row", "replicate")  # what an explicit plan may say of a layer
 
 _BOOLS = ("sequence_parallel", "gradient_accumulation_fusion", "async_grad_allreduce", "overlap_grad_reduce",
           "allow_replicated")
@@ -33,8 +32,12 @@ class TensorParallelConfig:
         gradient_accumulation_fusion: parallel Linear weight gradients are accumulated straight into the
             fp32 ``weight.main_grad`` (when one is attached) by one GEMM.
         async_grad_allreduce: overlap the input-gradient collective with the weight-gradient GEMM.
-        plan: ``"auto"`` or ``{"glob.of.module.names": "column" | "row" | "replicate"}`` (kept as a copy;
-            a plain dict so that the config pickles for spawned ranks).
+        plan: ``"auto"``, or an explicit plan in any form
+            :meth:`~lightning_amp.parallel.plan.TensorParallelPlan.parse` takes (a plan value or its dict/JSON form,
+            torch's ``ColwiseParallel()``/``RowwiseParallel()``/``SequenceParallel()`` dicts, ``"column"`` |
+            ``"row"`` | ``"replicate"`` per module path or glob), kept as the parsed
+            :class:`~lightning_amp.parallel.plan.TensorParallelPlan` (no torch style objects: it pickles for
+            spawned ranks).
         sequence_dim: ``None`` (infer), 0 (``[seq, batch, hidden]``) or 1 (``[batch, seq, hidden]``).
         bucket_numel: data-parallel all-reduce bucket size, in fp32 elements (4 bytes each).
         overlap_grad_reduce: launch each bucket's all-reduce during backward once it is complete.
@@ -48,7 +51,7 @@ class TensorParallelConfig:
     sequence_parallel: bool = False
     gradient_accumulation_fusion: bool = True
     async_grad_allreduce: bool = True
-    plan: Union[str, Mapping[str, str]] = "auto"
+    plan: Union[str, Mapping[str, Any]] = "auto"
     sequence_dim: Optional[int] = None
     bucket_numel: int = 2**22
     overlap_grad_reduce: bool = True
@@ -66,10 +69,9 @@ class TensorParallelConfig:
         validate_sequence_dim(self.sequence_dim)
         if not isinstance(self.bucket_numel, int) or isinstance(self.bucket_numel, bool) or self.bucket_numel < 1:
             raise ValueError(f"bucket_numel must be a positive int, got {self.bucket_numel!r}")
-        validate_plan(self.plan)
+        if self.plan != "auto":  # parsed now (a copy: later edits of the caller's dict do not reach it)
+            object.__setattr__(self, "plan", TensorParallelPlan.parse(self.plan))
         object.__setattr__(self, "unsplit_ok", validate_unsplit_ok(self.unsplit_ok))
-        if self.plan != "auto":
-            object.__setattr__(self, "plan", dict(self.plan))  # a copy: later edits of the caller's dict do not reach it
 
     def tp_size(self, devices_per_node: int) -> int:
         """The TP size for ``devices_per_node`` devices per node (``"auto"``: all of them, at least 1)."""
@@ -96,29 +98,6 @@ class TensorParallelConfig:
             raise ValueError(f"pass the tensor-parallel options either in config=TensorParallelConfig(...) or as "
                              f"keywords, not both: got config and {', '.join(given)}")
         return config
-
-
-def validate_plan(plan: Union[str, Mapping[str, str]]) -> None:
-    """TypeError unless ``plan`` is ``"auto"`` or a mapping; ValueError naming an entry whose kind is not in KINDS."""
-    if plan == "auto":
-        return
-    if not isinstance(plan, Mapping):
-        raise TypeError(f"plan must be 'auto' or a dict {{glob: 'column'|'row'|'replicate'}}, got {plan!r}")
-    for pattern, kind in plan.items():
-        if not isinstance(pattern, str) or kind not in KINDS:
-            raise ValueError(f"plan entry {pattern!r}: {kind!r} must be one of {KINDS}")
-
-
-def validate_unsplit_ok(globs: Sequence[str]) -> tuple[str, ...]:
-    """``globs`` as a tuple; TypeError unless a list, tuple or set of str, ValueError naming an empty glob."""
-    if isinstance(globs, str) or not isinstance(globs, (list, tuple, set, frozenset)) or \
-            not all(isinstance(g, str) for g in globs):
-        raise TypeError(f"unsplit_ok must be a list of module path globs (str), e.g. "
-                        f"['transformer.h.*.self_attention'], got {globs!r}")
-    empty = [g for g in globs if not g.strip()]
-    if empty:
-        raise ValueError(f"unsplit_ok: {empty[0]!r} is not a module path glob (an empty glob would match nothing)")
-    return tuple(sorted(globs)) if isinstance(globs, (set, frozenset)) else tuple(globs)
 
 
 def _same(a: Any, b: Any) -> bool:

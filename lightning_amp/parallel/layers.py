@@ -401,7 +401,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     def forward(self, x: Tensor):
         bias = None if self.skip_bias_add else self.bias
-        if self.shared_input is not None and not comm.tracing():  # the unit's one input collective (shared_input.py)
+        if self.shared_input is not None and not comm.tracing():  # the unit's one input collective (comm.SharedInput)
             out = self._gemm(self.shared_input(x), bias, "none", False, False)
         else:
             dgrad = "reduce_scatter" if self.sequence_parallel else ("all_reduce" if self.tp_size > 1 else "none")

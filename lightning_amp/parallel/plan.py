@@ -1,84 +1,366 @@
-"""Which layers become tensor-parallel (the plan), its validation, and the in-place conversion.
+"""The tensor-parallel plan as a value: ``{module path: Style}``, read from a model or given, checked before any change.
 
-``plan="auto"`` takes the units of :mod:`~lightning_amp.parallel.auto_units`: the known layouts of
-:mod:`~lightning_amp.parallel.families` (``nn.MultiheadAttention``/``nn.Transformer``, ``transformers`` BERT/RoBERTa,
-GPT-2, litgpt's fused ``[q | k | v]`` attention, named MLPs, MLPs in ``nn.Sequential``), then the attention blocks and
-MLPs :mod:`~lightning_amp.parallel.structure` finds by reading the forward of the rest (their heads and the attribute
-values one rank needs: :mod:`~lightning_amp.parallel.heads`), then q/k/v/o names where no forward can be read. An
-explicit plan ``{"glob.of.module.names": "column" | "row" | "replicate"}`` is used *instead* (fnmatch globs on names
-from ``named_modules()``); a set of explicit layers that forms one of those units gets that unit's layout (fused QKV,
-``Conv1D``, heads and head attributes), other layers pair by parent: a column layer's output stays split when its
-parent also holds a row layer of the plan, else it is gathered.
+:func:`build_plan` makes the one :class:`TensorParallelPlan` that :func:`~lightning_amp.parallel.convert.convert`
+applies, from either source:
 
-:func:`build_plan` validates the whole plan *before anything changes*, raising ValueError naming
-the module paths when a column layer would feed anything but its row partner (a unit only partly in
-an explicit plan, a row layer without a column partner, a norm or reshape between a named MLP's layers:
-:mod:`~lightning_amp.parallel.between`, an explicit column wider than its row partner outside any unit:
-a fused projection a contiguous split would cut), when a glob of an explicit plan matches no module,
-when heads or features do not divide by the TP size (key/value heads: nor divide it), when an attention found by
-structure cannot be read, or when nothing would be split (unless ``allow_replicated``). So a model is either
-converted as planned or left untouched: never half-converted. Conversion copies this rank's slice of
-the module's *current* weights; :func:`convert_model` returns the :class:`~lightning_amp.parallel.report.PlanReport`.
+* ``plan="auto"``: the units :mod:`~lightning_amp.parallel.reading` finds (known layouts by type and name, attention
+  blocks and MLPs by what their forward computes, q/k/v/o names where no forward can be read);
+* an explicit plan: this value itself or its dict/JSON form (:meth:`TensorParallelPlan.to_dict`), torch's plan
+  dicts (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``, ``PrepareModuleInput(...)`` of
+  ``torch.distributed.tensor.parallel``, as Lightning's and torchtitan's examples write them), or plain styles
+  (``"column"``, ``"row"``, ``"replicate"``), keyed by module paths or fnmatch globs (``"layers.*.attention.wq"``);
+  a value that is a dict is a plan relative to every module its key matches (a per-block plan given as is). Layers
+  that together form a unit ``plan="auto"`` finds get that unit's layout (fused QKV, ``Conv1D``, heads and head
+  attributes): the reading completes the plan, and confirms every layout an entry states (a plan printed, edited
+  and passed back); other layers pair by parent: a column layer's output stays split when its parent also holds a
+  row layer of the plan, else it is gathered.
+
+:func:`build_plan` validates the whole plan *before anything changes*, raising ValueError naming the entry or module
+paths and the reason: a glob that matches no module, a style that is not supported (a layer that is no Linear), a
+layout the reading does not confirm, a column layer that would feed anything but its row partner (a unit only partly
+planned, a row layer without a column partner, a norm or reshape between a named MLP's layers:
+:mod:`~lightning_amp.parallel.reading.between`, an explicit column wider than its row partner outside any unit: a
+fused projection a contiguous split would cut), heads or features that do not divide by the TP size (key/value
+heads: nor divide it), an attention found by structure that cannot be read, an attention ``plan="auto"`` would leave
+whole that ``unsplit_ok`` does not accept, or nothing to split (unless ``allow_replicated``).
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import difflib
 import fnmatch
+import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from torch import nn
 
-from lightning_amp.parallel.attention import ParallelMultiheadAttention
-from lightning_amp.parallel.auto_units import auto_units
-from lightning_amp.parallel.between import between_problem
-from lightning_amp.parallel.config import KINDS, TensorParallelConfig, validate_plan, validate_unsplit_ok  # noqa: F401
-from lightning_amp.parallel.families import HEAD_ATTRS, Unit, is_conv1d, multihead_attention_unit
-from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel, fused_qkv_parallel
-from lightning_amp.parallel.groups import group_size
-from lightning_amp.parallel.heads import AttentionShape
-from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_amp.parallel.main_grad import mark_sequence_parallel
-from lightning_amp.parallel.projections import is_projection
-from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
-from lightning_amp.parallel.report import Conversion, PlanReport, SplitUnit
-from lightning_amp.parallel.sequence import install_boundaries, plan_runs
-from lightning_amp.parallel.shared_input import SharedInput
-from lightning_amp.parallel.unsplit import accepted, unmatched_globs, unsplit_problems
+from lightning_amp.parallel.reading.auto_units import auto_units
+from lightning_amp.parallel.reading.between import between_problem
+from lightning_amp.parallel.reading.families import Unit, is_conv1d, multihead_attention_unit
+from lightning_amp.parallel.reading.forward_graph import is_projection
+from lightning_amp.parallel.reading.head_inputs import HeadInput
+from lightning_amp.parallel.reading.heads import AttentionShape
+from lightning_amp.parallel.reading.qkv_heads import QKVHeads
+from lightning_amp.parallel.reading.unsplit import accepted, unmatched_globs, unsplit_problems
 
-_LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
-#: the layers a conversion makes (a model holding one is converted already)
-PARALLEL_LAYERS = (ParallelMultiheadAttention, ReplicatedKVColumnParallel, ReplicatedHeadsLinear, ColumnParallelLinear,
-                   RowParallelLinear)
+#: column: output features split; row: input features split; replicated: a key/value projection with fewer heads
+#: than ranks, whole on every rank (each uses its query heads' one); attention: an ``nn.MultiheadAttention``
+#: replaced whole, heads split; replicate: left whole on every rank (``reason`` says why)
+STYLES = ("column", "row", "replicated", "attention", "replicate")
+#: torch's styles (``torch.distributed.tensor.parallel``) -> ours; the others say only where activations are
+#: sharded (tp_fused places them itself: ``sequence_parallel``), so their modules' weights stay whole
+_TORCH_STYLES = {"ColwiseParallel": "column", "RowwiseParallel": "row", "SequenceParallel": "replicate",
+                 "PrepareModuleInput": "replicate", "PrepareModuleOutput": "replicate",
+                 "PrepareModuleInputOutput": "replicate"}
 
 
-@dataclass
-class Plan:
-    """A validated plan: the units to convert, per layer path its kind, and per Linear left whole, why."""
+@dataclass(frozen=True)
+class Style:
+    """How one module is split, with the attributes the split needs.
 
-    units: list[Unit]
-    decisions: dict[str, str] = field(default_factory=dict)
-    whole: dict[str, str] = field(default_factory=dict)
+    ``unit``: the path of the unit's first layer (layers split together share it; ``""``: none given, layers pair
+    by parent). ``chunks``: a column's output is that many equal blocks, each split (``[gate | up]``: 2; GPT-2's
+    ``c_attn``: 3). ``heads``/``kv_heads``/``head_size``: a fused ``[q | k | v]`` column split by heads, or a
+    replicated key/value projection (``kv_heads`` of ``head_size``). ``transposed``: a weight stored ``[in, out]``
+    (``Conv1D``). On the unit's first entry, the unit's own: ``attention`` (its heads: ``n_head``, ``n_kv``,
+    ``head_size``, ``v_size``, ``layout``, ``groups``), ``head_owner`` (the module whose head-count attributes are
+    divided by the TP size), ``config_owner`` (litgpt: the module given a per-rank copy of its ``config``),
+    ``per_rank`` (``"module.path:attr"`` -> the value one rank's forward needs, at the TP size it was read for),
+    ``partial_grads`` (params between its columns and rows: gradients summed over the TP group), ``head_inputs``
+    (per attention module path, the inputs of its forward cut to each rank's heads, an ALiBi bias: ``[{"name": ...,
+    "folded": ...}]``, ``folded``: the batch and the heads folded batch first in its third-to-last dimension).
+    """
+
+    style: str
+    unit: str = ""
+    family: str = ""
+    found_by: str = ""
+    chunks: int = 1
+    heads: int = 0
+    kv_heads: int = 0
+    head_size: int = 0
+    transposed: bool = False
+    attention: Optional[dict] = None
+    head_owner: Optional[str] = None
+    config_owner: Optional[str] = None
+    per_rank: dict = field(default_factory=dict)
+    partial_grads: tuple = ()
+    head_inputs: dict = field(default_factory=dict)
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        """The fields that differ from their defaults, JSON-ready."""
+        values = {name: getattr(self, name) for name in _DEFAULTS}
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()
+                if name == "style" or value != _DEFAULTS[name]}
+
+    @classmethod
+    def from_dict(cls, entry: str, data: Mapping) -> "Style":
+        """ValueError naming ``entry`` for an unknown field or style, TypeError for a field of the wrong type."""
+        unknown = sorted(set(data) - set(_DEFAULTS))
+        if unknown or "style" not in data:
+            raise ValueError(f"plan entry {entry!r}: " + (f"unknown field(s) {unknown}" if unknown else "no 'style'")
+                             + f"; a style's fields are {sorted(_DEFAULTS)}")
+        _check_style(entry, data["style"])
+        kinds = {"chunks": int, "heads": int, "kv_heads": int, "head_size": int, "transposed": bool,
+                 "attention": (dict, type(None)), "per_rank": dict, "partial_grads": (list, tuple), "head_inputs": dict}
+        for name, kind in kinds.items():
+            if name in data and (not isinstance(data[name], kind) or (kind is int and isinstance(data[name], bool))):
+                raise TypeError(f"plan entry {entry!r}: {name} must be {getattr(kind, '__name__', kind)}, "
+                                f"got {data[name]!r}")
+        for path, inputs in data.get("head_inputs", {}).items():
+            if not isinstance(inputs, (list, tuple)) or not all(
+                    isinstance(i, Mapping) and set(i) == {"name", "folded"} and isinstance(i["name"], str)
+                    and isinstance(i["folded"], bool) for i in inputs):
+                raise TypeError(f"plan entry {entry!r}: head_inputs[{path!r}] must be a list of "
+                                f"{{'name': str, 'folded': bool}}, got {inputs!r}")
+        values = dict(data)
+        values["partial_grads"] = tuple(values.get("partial_grads", ()))
+        return cls(**values)
+
+    def bare(self) -> bool:
+        """Whether only the style is given (nothing for the reading to confirm)."""
+        return self == Style(self.style)
 
 
-def _explicit_decisions(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+#: each field of a Style and its default (what :meth:`Style.to_dict` leaves out)
+_DEFAULTS = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+             for f in dataclasses.fields(Style)}
+
+
+def _check_style(entry: str, style: Any) -> None:
+    if style not in STYLES:
+        raise ValueError(f"plan entry {entry!r}: {style!r} must be one of {STYLES} (or torch's "
+                         f"{', '.join(sorted(_TORCH_STYLES))})")
+
+
+def _torch_style(entry: str, style: Any) -> Style:
+    """Ours for torch's ParallelStyle ``style``; ValueError naming ``entry`` for one tp_fused does not support."""
+    name = type(style).__name__
+    module = type(style).__module__ or ""
+    if name not in _TORCH_STYLES or not module.startswith("torch.distributed"):
+        raise ValueError(f"plan entry {entry!r}: {name} is not a style tp_fused supports: give "
+                         f"{', '.join(sorted(_TORCH_STYLES))} (torch.distributed.tensor.parallel), or one of {STYLES}")
+    kind = _TORCH_STYLES[name]
+    reason = "" if kind != "replicate" else (f"{name} in the plan: where activations are sharded; tp_fused places "
+                                             "the sequence split itself (sequence_parallel=True)")
+    return Style(kind, reason=reason)
+
+
+class TensorParallelPlan(Mapping):
+    """``{module path or glob: Style}``: what :func:`build_plan` reads and checks and
+    :func:`~lightning_amp.parallel.convert.convert` applies; ``strategy.plan`` after setup.
+
+    Prints as the plan report (:meth:`format`), round-trips through :meth:`to_dict` / :meth:`to_json` (and YAML: the
+    dict holds only str, int, bool, lists and dicts), and is accepted by ``plan=`` in any of those forms.
+    ``tensor_parallel_size``: the TP size it was read for (None for a plan not yet read).
+    """
+
+    def __init__(self, entries: Mapping[str, Style], tensor_parallel_size: Optional[int] = None) -> None:
+        self._entries = dict(entries)
+        self.tensor_parallel_size = tensor_parallel_size
+
+    def __getitem__(self, path: str) -> Style:
+        return self._entries[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorParallelPlan) and self._entries == other._entries
+
+    def __repr__(self) -> str:
+        return f"TensorParallelPlan({self.to_dict()!r})"
+
+    def __str__(self) -> str:
+        return self.format()
+
+    # ------------------------------------------------------------------ forms
+    @classmethod
+    def parse(cls, plan: Any) -> "TensorParallelPlan":
+        """The plan of ``plan``: this class, its dict or JSON form, torch's plan dicts, plain styles; a dict value
+        is a plan relative to every module its key matches. ValueError/TypeError naming the entry."""
+        if isinstance(plan, TensorParallelPlan):
+            return plan
+        if isinstance(plan, str) and plan.lstrip().startswith("{"):
+            plan = json.loads(plan)
+        if not isinstance(plan, Mapping):
+            raise TypeError("plan must be 'auto' or a dict {module path or glob: style}, its JSON, or a TensorParallelPlan "
+                            f"(a style: 'column' | 'row' | 'replicate', torch's ColwiseParallel() ..., or a dict), got {plan!r}")
+        return cls(dict(_flatten(plan, "")))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TensorParallelPlan":
+        return cls.parse(json.loads(text))
+
+    def to_dict(self) -> dict:
+        """``{module path: {"style": ..., attributes}}``: JSON- and YAML-ready, accepted by ``plan=``."""
+        return {path: style.to_dict() for path, style in self._entries.items()}
+
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    # ------------------------------------------------------------------ units, as the reading and conversion use them
+    @classmethod
+    def from_units(cls, units: Sequence[Unit], whole: Mapping[str, str], tp: int) -> "TensorParallelPlan":
+        """The plan of ``units`` (each layer's entry; the unit's own attributes on its first) and of the layers left
+        whole with their reasons."""
+        entries: dict[str, Style] = {}
+        for unit in units:
+            key = unit.members[0]
+            for path in unit.members:
+                entries[path] = _layer_style(unit, path, key)
+            shape = unit.attention_shape
+            entries[key] = dataclasses.replace(
+                entries[key], attention=dataclasses.asdict(shape) if shape is not None else None, head_owner=unit.heads,
+                config_owner=unit.head_config, partial_grads=tuple(unit.partial_grads),
+                per_rank={f"{path}:{'.'.join(names)}": value for (path, names), value in unit.head_values.items()},
+                head_inputs={path: [dataclasses.asdict(i) for i in inputs] for path, inputs in unit.head_inputs.items()})
+        entries.update({path: Style("replicate", reason=why) for path, why in whole.items()})
+        return cls(entries, tp)
+
+    @property
+    def units(self) -> list[Unit]:
+        """The units of the split entries, in plan order (entries without a unit: one unit per parent)."""
+        units: dict[str, Unit] = {}
+        for path, style in self._entries.items():
+            if style.style == "replicate":
+                continue
+            key = style.unit or "~" + path.rpartition(".")[0]
+            unit = units.setdefault(key, Unit(style.family or "explicit", found_by=style.found_by or "plan"))
+            if style.style == "attention":
+                unit.attention = path
+            elif style.style == "row":
+                unit.rows.append(path)
+            else:
+                unit.columns.append(path)
+            if style.transposed:
+                unit.transposed.add(path)
+            if style.chunks > 1:
+                unit.chunks[path] = style.chunks
+            if style.style == "replicated":
+                unit.replicated_heads[path] = (style.kv_heads, style.head_size)
+            elif style.heads:
+                unit.qkv_heads[path] = QKVHeads(style.heads, style.kv_heads, style.head_size)
+            if style.attention is not None:
+                unit.attention_shape = AttentionShape(**style.attention)
+            unit.heads = style.head_owner if style.head_owner is not None else unit.heads
+            unit.head_config = style.config_owner if style.config_owner is not None else unit.head_config
+            unit.partial_grads += list(style.partial_grads)
+            for where, value in style.per_rank.items():
+                owner, _, names = where.rpartition(":")
+                unit.head_values[(owner, tuple(names.split(".")))] = value
+            unit.head_inputs.update({path: tuple(HeadInput(**i) for i in inputs)
+                                     for path, inputs in style.head_inputs.items()})
+        return list(units.values())
+
+    @property
+    def whole(self) -> dict[str, str]:
+        """Per layer left whole, why."""
+        return {path: style.reason for path, style in self._entries.items() if style.style == "replicate"}
+
+    @property
+    def decisions(self) -> dict[str, str]:
+        """Per split layer, its kind for the layers around it: "column" (a replicated key/value projection too),
+        "row" or "attention"."""
+        kinds = {"replicated": "column"}
+        return {path: kinds.get(s.style, s.style) for path, s in self._entries.items() if s.style != "replicate"}
+
+    # ------------------------------------------------------------------ the report
+    def format(self) -> str:
+        """The plan as the report of a setup prints it: each unit, its layers and heads, what stays whole and why."""
+        tp = self.tensor_parallel_size
+        units = self.units
+        lines = [f"tp_fused plan" + (f" at tensor_parallel_size={tp}" if tp else "") + f": {len(units)} unit(s) "
+                 f"split, {len(self.whole)} layer(s) left whole"]
+        width = max((len(p) for p in self.decisions), default=0)
+        for unit in units:
+            shape = unit.attention_shape
+            heads = f": {shape.describe(tp)}" if shape is not None and tp else ""
+            lines.append(f"  {unit.family} (found by {unit.found_by}){heads}")
+            for path in unit.members:
+                lines.append(f"    {path:<{width}}  {self[path].style:<10} {_detail(self[path])}".rstrip())
+            if unit.head_values:
+                lines.append("    per rank: " + ", ".join(f"{'.'.join(filter(None, (o, *n)))} -> {v}"
+                                                         for (o, n), v in unit.head_values.items()))
+            if unit.heads is not None and unit.rows:
+                lines.append(f"    head-count attributes of {unit.heads or 'the model'} (where it has them) divided by the TP size")
+            if unit.head_config is not None:
+                lines.append(f"    {unit.head_config}.config: a per-rank copy with this rank's head counts")
+            for path, inputs in unit.head_inputs.items():
+                names = ", ".join(i.name + (" (batch * heads)" if i.folded else "") for i in inputs)
+                lines.append(f"    {path or 'the model'}: input(s) {names} cut to each rank's heads")
+        if self.whole:
+            lines.append("  left whole:")
+            lines += [f"    {path}: {why}" for path, why in self.whole.items()]
+        return "\n".join(lines)
+
+
+def _detail(style: Style) -> str:
+    if style.style == "replicated":
+        return f"{style.kv_heads} key/value head(s) of {style.head_size}, whole on every rank"
+    parts = [f"[q | k | v] {style.heads} query / {style.kv_heads} key/value heads of {style.head_size}"] if style.heads else []
+    parts += [f"{style.chunks} blocks, each split"] if style.chunks > 1 else []
+    parts += ["weight [in, out]"] if style.transposed else []
+    return ", ".join(parts)
+
+
+def _layer_style(unit: Unit, path: str, key: str) -> Style:
+    common = dict(unit=key, family=unit.family, found_by=unit.found_by, transposed=path in unit.transposed)
+    if path == unit.attention:
+        return Style("attention", **common)
+    if path in unit.rows:
+        return Style("row", **common)
+    if path in unit.replicated_heads:
+        kv_heads, head_size = unit.replicated_heads[path]
+        return Style("replicated", kv_heads=kv_heads, head_size=head_size, **common)
+    heads = unit.qkv_heads.get(path)
+    counts = dict(heads=heads.n_head, kv_heads=heads.n_query_groups, head_size=heads.head_size) if heads else {}
+    return Style("column", chunks=unit.chunks.get(path, 1), **counts, **common)
+
+
+def _flatten(plan: Mapping, prefix: str) -> Iterator[tuple[str, Style]]:
+    for key, value in plan.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"plan entry {key!r}: a key must be a module path or glob (a non-empty str)")
+        entry = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Style):
+            yield entry, value
+        elif isinstance(value, str):
+            _check_style(entry, value)
+            yield entry, Style(value)
+        elif isinstance(value, Mapping) and "style" in value and not isinstance(value["style"], Mapping):
+            yield entry, Style.from_dict(entry, value)
+        elif isinstance(value, Mapping):  # a plan relative to every module ``key`` matches (a per-block plan)
+            yield from _flatten(value, entry)
+        else:
+            yield entry, _torch_style(entry, value)
+
+
+def _explicit_decisions(module: nn.Module, plan: TensorParallelPlan) -> dict[str, str]:
+    """Per module path an entry of ``plan`` names (globs expanded), its kind: "column", "row" or "attention"."""
     decisions: dict[str, str] = {}
     names = [name for name, _ in module.named_modules() if name]
     for pattern in plan:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             close = difflib.get_close_matches(pattern, names, n=3)
-            raise ValueError(f"tp_fused plan: {pattern!r} matches no module of {type(module).__name__}"
+            raise ValueError(f"plan entry {pattern!r} matches no module of {type(module).__name__}"
                              + (f" (close: {close})" if close else f" (its modules are named like {names[:3]})"))
+    kinds = plan.decisions
     for name, child in module.named_modules():
-        for pattern, kind in plan.items():
+        for pattern, kind in kinds.items():
             if name and fnmatch.fnmatchcase(name, pattern):
-                if kind != "replicate" and not (isinstance(child, (nn.Linear, nn.MultiheadAttention)) or is_conv1d(child)):
-                    raise ValueError(f"plan: {name!r} matched {pattern!r} but is a {type(child).__name__}, not nn.Linear")
-                if kind != "replicate" and isinstance(child, nn.MultiheadAttention):
-                    kind = "attention"
-                decisions[name] = kind
-    return {n: k for n, k in decisions.items() if k != "replicate"}
+                if not (isinstance(child, (nn.Linear, nn.MultiheadAttention)) or is_conv1d(child)):
+                    raise ValueError(f"plan entry {pattern!r}: {name!r} is a {type(child).__name__}; tp_fused splits "
+                                     "nn.Linear, Conv1D and nn.MultiheadAttention only (a vocabulary-parallel "
+                                     "embedding or a split norm is not supported): leave it out of the plan and it "
+                                     "stays whole on every rank")
+                decisions[name] = "attention" if isinstance(child, nn.MultiheadAttention) else kind
+    return decisions
 
 
 def _unit_kinds(unit: Unit) -> dict[str, str]:
@@ -149,17 +431,17 @@ def _dims(module: nn.Module, name: str) -> tuple[int, int]:
     return (child.nx, child.nf) if is_conv1d(child) else (child.in_features, child.out_features)
 
 
-def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
-               sequence_parallel: bool = False, allow_replicated: bool = False, unsplit_ok: Sequence[str] = ()) -> Plan:
-    """The validated plan for ``module`` at TP size ``tp``; changes nothing. Raises ValueError naming the
-    module paths of every unit that cannot be split, of every attention ``plan="auto"`` would leave whole that
-    no glob of ``unsplit_ok`` accepts (:mod:`~lightning_amp.parallel.unsplit`), and when nothing would be split
-    at ``tp > 1`` unless ``allow_replicated``."""
-    validate_plan(plan)
+def build_plan(module: nn.Module, plan: Any, tp: int, sequence_parallel: bool = False, allow_replicated: bool = False,
+               unsplit_ok: Sequence[str] = ()) -> TensorParallelPlan:
+    """The checked plan of ``module`` at TP size ``tp`` for ``plan`` (``"auto"`` or any form
+    :meth:`TensorParallelPlan.parse` takes); changes nothing. Raises ValueError naming the entries or module paths
+    and the reason (see the module docstring); ``unsplit_ok``: globs of attentions ``plan="auto"`` may leave whole
+    (:mod:`~lightning_amp.parallel.reading.unsplit`)."""
+    given = None if plan == "auto" else TensorParallelPlan.parse(plan)
     unsplit_ok = validate_unsplit_ok(unsplit_ok)
     problems = [f"unsplit_ok: {glob!r} matches no module of {type(module).__name__}"
                 for glob in unmatched_globs(module, unsplit_ok)]
-    if plan == "auto":
+    if given is None:
         found = auto_units(module, tp)
         units, whole = found.units, found.whole
         if tp > 1:
@@ -167,9 +449,10 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
             if units or not allow_replicated:  # allow_replicated with nothing split: every layer whole on purpose
                 problems += unsplit_problems(module, whole, tp, unsplit_ok)
     else:
-        units = _explicit_units(module, _explicit_decisions(module, plan), tp)
+        units = _explicit_units(module, _explicit_decisions(module, given), tp)
         planned = {m for u in units for m in u.members}
-        whole = {name: "not named by the plan" for name, m in module.named_modules()
+        reasons = given.whole
+        whole = {name: reasons.get(name) or "not named by the plan" for name, m in module.named_modules()
                  if is_projection(m) and name not in planned}
     for unit in units:
         if unit.problem:
@@ -202,10 +485,28 @@ def build_plan(module: nn.Module, plan: Union[str, Mapping[str, str]], tp: int,
             "the whole model. Pass plan={'glob.of.names': 'column'|'row'} to choose layers, or "
             "TensorParallelStrategy(allow_replicated=True) to train replicated on purpose."
             + "".join(f"\n  {name}: {why}" for name, why in list(whole.items())[:8]))
-    result = Plan(units, whole=whole)
-    for unit in units:
-        result.decisions.update(_unit_kinds(unit))
+    result = TensorParallelPlan.from_units(units, whole, tp)
+    if given is not None:
+        _confirm(module, given, result)
     return result
+
+
+def _confirm(module: nn.Module, given: TensorParallelPlan, found: TensorParallelPlan) -> None:
+    """ValueError naming the entry when a field it states (a style, a layout, heads, per-rank values) differs from
+    what the reading of ``module`` finds for a layer it matches."""
+    for pattern, style in given.items():
+        stated = {k: v for k, v in style.to_dict().items() if k != "reason"}
+        if style.style == "replicate" or style.bare():
+            continue
+        for path in (p for p in found if fnmatch.fnmatchcase(p, pattern)):
+            read = found[path].to_dict()
+            differ = {k: v for k, v in stated.items() if read.get(k, _DEFAULTS[k]) != v}
+            if differ:
+                raise ValueError(
+                    f"plan entry {pattern!r}: the plan states {differ}, reading {type(module).__name__} finds "
+                    f"{ {k: read.get(k, _DEFAULTS[k]) for k in differ} }: a layout the reading cannot confirm (per-rank "
+                    "values hold for the tensor_parallel_size the plan was read at). Give the layer's style alone "
+                    "('column' | 'row') to take the layout the reading finds, or leave it out of the plan")
 
 
 def _accept_unsplit(units: list[Unit], whole: dict[str, str], unsplit_ok: Sequence[str]) -> list[Unit]:
@@ -235,247 +536,15 @@ def _between(module: nn.Module, unit: Unit) -> Optional[str]:
     return between_problem(module, parent, unit.columns, unit.rows, width, trace=_FREE_FLOW[unit.family])
 
 
-def _parent(module: nn.Module, name: str):
-    parent_name, _, attr = name.rpartition(".")
-    return (module.get_submodule(parent_name) if parent_name else module), parent_name, attr
+def validate_unsplit_ok(globs: Sequence[str]) -> tuple[str, ...]:
+    """``globs`` as a tuple; TypeError unless a list, tuple or set of str, ValueError naming an empty glob."""
+    if isinstance(globs, str) or not isinstance(globs, (list, tuple, set, frozenset)) or \
+            not all(isinstance(g, str) for g in globs):
+        raise TypeError(f"unsplit_ok must be a list of module path globs (str), e.g. "
+                        f"['transformer.h.*.self_attention'], got {globs!r}")
+    empty = [g for g in globs if not g.strip()]
+    if empty:
+        raise ValueError(f"unsplit_ok: {empty[0]!r} is not a module path glob (an empty glob would match nothing)")
+    return tuple(sorted(globs)) if isinstance(globs, (set, frozenset)) else tuple(globs)
 
 
-def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, linear_kwargs: dict) -> list[Conversion]:
-    rows = []
-    if unit.attention:
-        parent, _, attr = _parent(module, unit.attention)
-        child = getattr(parent, attr)
-        new = ParallelMultiheadAttention(child, group, **sp_kwargs.get(unit.attention, {}), **linear_kwargs)
-        setattr(parent, attr, new)
-        rows.append(Conversion(unit.attention, type(child).__name__, "attention",
-                               f"{child.num_heads} heads -> {new.local_heads}/rank"))
-    for name in unit.columns + unit.rows:
-        parent, _, attr = _parent(module, name)
-        child = getattr(parent, attr)
-        extra = dict(sp_kwargs.get(name, {}), **linear_kwargs)
-        transposed = name in unit.transposed
-        if name in unit.qkv_heads:
-            heads = unit.qkv_heads[name]
-            new = fused_qkv_parallel(child.weight, child.bias, heads, group, transposed=transposed, **extra)
-            local = heads.local(group_size(group))
-            detail = (f"[q | k | v] heads {heads.n_head}/{heads.n_query_groups} -> {local.n_head}/{local.n_query_groups}"
-                      + ("/rank, key/value replicated" if isinstance(new, ReplicatedKVColumnParallel) else "/rank"))
-        elif name in unit.replicated_heads:
-            n_heads, head_size = unit.replicated_heads[name]
-            new = ReplicatedHeadsLinear(child.weight, child.bias, n_heads, head_size, group, transposed=transposed, **extra)
-            detail = f"{n_heads} head(s) of {head_size} replicated, head {new.head} used"
-        elif name in unit.columns:
-            gather = not unit.rows
-            new = ColumnParallelLinear.from_weights(child.weight, child.bias, group, chunks=unit.chunks.get(name, 1),
-                                                    transposed=transposed, gather_output=gather, **extra)
-            detail = f"out {new.out_features} -> {new.out_per_rank}/rank" + (", gathered" if gather else "")
-            if name in unit.chunks:
-                detail += f", {unit.chunks[name]} blocks split each"
-        else:
-            new = RowParallelLinear.from_weights(child.weight, child.bias, group, transposed=transposed,
-                                                 input_is_parallel=True, **extra)
-            detail = f"in {new.in_features} -> {new.in_per_rank}/rank"
-        setattr(parent, attr, new)
-        kind = "replicated" if name in unit.replicated_heads else "column" if name in unit.columns else "row"
-        rows.append(Conversion(name, type(child).__name__, kind, detail))
-    _share_input(module, unit, group)
-    return rows
-
-
-def _share_input(module: nn.Module, unit: Unit, group: Any) -> None:
-    """Give the unit's column layers one input collective (:mod:`~lightning_amp.parallel.shared_input`) when two or
-    more of them take their input alike (the same sequence-parallel mode, outputs not gathered)."""
-    columns = [module.get_submodule(name) for name in unit.columns]
-    columns = [c for c in columns if hasattr(c, "shared_input") and not getattr(c, "gather_output", False)]
-    modes = {(c.sequence_parallel, c.sequence_dim) for c in columns}
-    if len(columns) > 1 and len(modes) == 1 and group_size(group) > 1:
-        ((sequence_parallel, sequence_dim),) = modes
-        shared = SharedInput(group, sequence_parallel, sequence_dim)
-        for column in columns:
-            column.shared_input = shared
-
-
-def _set_head_values(module: nn.Module, unit: Unit) -> dict[str, tuple[int, int]]:
-    """Give the attributes a structure-found attention's forward reads the values one rank needs (see
-    :mod:`~lightning_amp.parallel.heads`): a module's own attribute is set on it; a field of a plain object (a
-    ``config``, maybe shared with the whole model) is set on a per-rank copy that every module of the attention
-    holding that object gets. Returns {attribute path: (before, after)}."""
-    changed, copies = {}, {}
-    owner_paths = {path for path, _ in unit.head_values}
-    for (path, names), value in sorted(unit.head_values.items()):
-        owner = module.get_submodule(path) if path else module
-        label = ".".join([path, *names]) if path else ".".join(names)
-        if len(names) == 1:
-            changed[label] = (getattr(owner, names[0]), value)
-            setattr(owner, names[0], value)
-            continue
-        shared = getattr(owner, names[0])
-        if id(shared) not in copies:
-            copies[id(shared)] = (shared, copy.copy(shared))  # a shallow copy keeps what __post_init__ derived
-        original, private = copies[id(shared)]
-        changed[label] = (getattr(original, names[1]), value)
-        vars(private)[names[1]] = value
-    for original, private in copies.values():
-        for path in owner_paths:
-            for sub in (module.get_submodule(path) if path else module).modules():
-                for attr, held in list(vars(sub).items()):
-                    if held is original:
-                        setattr(sub, attr, private)
-    return changed
-
-
-def _mark_partial_grads(module: nn.Module, unit: Unit) -> None:
-    """Params used between the unit's columns and rows see this rank's heads only: their gradients are summed over
-    the TP group (the ``sequence_parallel`` mark :class:`~lightning_amp.parallel.main_grad.MainGradBuffer` reads)."""
-    for path in unit.partial_grads:
-        try:
-            mark_sequence_parallel(module.get_submodule(path))
-        except AttributeError:
-            module.get_parameter(path).sequence_parallel = True
-
-
-def _divide_head_attrs(module: nn.Module, unit: Unit, tp: int) -> None:
-    if unit.head_config is not None:  # litgpt: a per-rank copy of the Config the whole model shares
-        owner = module.get_submodule(unit.head_config)
-        (heads,) = (h.local(tp) for h in unit.qkv_heads.values())
-        owner.config = copy.copy(owner.config)  # a shallow copy keeps the fields __post_init__ derived (rope_n_elem)
-        owner.config.n_head, owner.config.n_query_groups = heads.n_head, heads.n_query_groups
-    if unit.heads is None or not unit.rows:
-        return
-    owner = module.get_submodule(unit.heads) if unit.heads else module
-    for attr in HEAD_ATTRS:
-        value = getattr(owner, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            setattr(owner, attr, value // tp)
-
-
-def convert_model(module: nn.Module, group: Any = None, config: Optional[TensorParallelConfig] = None,
-                  **layer_kwargs) -> PlanReport:
-    """Validate (see :func:`build_plan`), then replace the planned layers of ``module`` in place with this rank's
-    parallel layers; returns the :class:`~lightning_amp.parallel.report.PlanReport` (what was split, how each unit
-    was found, what was left whole and why). ``config``: the options (default ``TensorParallelConfig()``);
-    ``layer_kwargs`` go to every parallel layer."""
-    config = TensorParallelConfig() if config is None else config
-    checked = build_plan(module, config.plan, group_size(group), config.sequence_parallel, config.allow_replicated,
-                         config.unsplit_ok)
-    return apply_checked_plan(module, checked, group, config, **layer_kwargs)
-
-
-def apply_checked_plan(module: nn.Module, checked: Plan, group: Any, config: TensorParallelConfig,
-                       **layer_kwargs) -> PlanReport:
-    """Convert ``module`` as ``checked`` (a :func:`build_plan` of it, or of a copy: the module paths are what count)
-    says, for this rank of ``group``; see :func:`convert_model`."""
-    linear_kwargs = dict(layer_kwargs, config=config)  # the layers read their options from it
-    tp = group_size(group)
-    runs, sp_kwargs = [], {}
-    if config.sequence_parallel:
-        if not checked.units:
-            raise ValueError(f"sequence_parallel=True: the plan found no layer of {type(module).__name__} to split")
-        if any(u.columns and not u.rows for u in checked.units):
-            raise ValueError("sequence_parallel=True: column layers "
-                             f"{[c for u in checked.units if not u.rows for c in u.columns]} have no row-parallel partner")
-        runs, sp_kwargs = plan_runs(module, checked.decisions, config.sequence_dim)
-    report = PlanReport(tp, whole=dict(checked.whole))
-    for unit in checked.units:
-        split = SplitUnit(unit.family, unit.found_by, _heads_line(unit, tp))
-        split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
-        split.attributes = _set_head_values(module, unit)
-        _mark_partial_grads(module, unit)
-        _divide_head_attrs(module, unit, tp)
-        report.split.append(split)
-    if config.sequence_parallel:
-        install_boundaries(module, runs, group)
-        report.sequence = [Conversion(run.container, "blocks", "seq-split",
-                                      f"{len(run.names)} block(s), sequence dim {run.seq_dim} split between them")
-                           for run in runs]
-    return report
-
-
-def _heads_line(unit: Unit, tp: int) -> str:
-    shape = unit.attention_shape
-    if shape is None and len(unit.qkv_heads) == 1:  # litgpt's, found by names
-        (heads,) = unit.qkv_heads.values()
-        shape = AttentionShape(heads.n_head, heads.n_query_groups, heads.head_size, heads.head_size, "blocks")
-    return shape.describe(tp) if shape is not None else ""
-
-
-def apply_plan(
-    module: nn.Module,
-    group: Any = None,
-    plan: Union[str, Mapping[str, str]] = "auto",
-    sequence_parallel: bool = False,
-    sequence_dim: Optional[int] = None,
-    allow_replicated: bool = False,
-    *,
-    config: Optional[TensorParallelConfig] = None,
-    **linear_kwargs,
-) -> list[Conversion]:
-    """Validate (see :func:`build_plan`), then replace the planned layers of ``module`` in place;
-    returns the conversion table (:func:`convert_model` returns the whole report).
-
-    ``config``: the options (``plan``, ``sequence_parallel``, ``sequence_dim``, ``allow_replicated`` and the
-    layers' ``gradient_accumulation_fusion`` / ``async_grad_allreduce``); without it they are built from the
-    keywords (``linear_kwargs`` naming those two, the rest going to every parallel layer).
-    With a TP group of size 1 the layers are still converted (fused wgrad path).
-    ``sequence_parallel``: see :mod:`~lightning_amp.parallel.sequence` (``sequence_dim`` for blocks
-    other than ``nn.Transformer*Layer``); a model it cannot handle raises ValueError.
-    """
-    if config is None:
-        layer_options = {k: linear_kwargs.pop(k) for k in _LAYER_OPTIONS if k in linear_kwargs}
-        config = TensorParallelConfig(plan=plan, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                                      allow_replicated=allow_replicated, **layer_options)
-    return convert_model(module, group, config, **linear_kwargs).conversions
-
-
-def gathered_state_dict(module: nn.Module) -> dict:
-    """``module.state_dict()`` with every parallel layer's entries replaced by the gathered full
-    tensors under the original module's keys (collective over each layer's TP group)."""
-    state = module.state_dict()
-    for name, sub in module.named_modules():
-        if isinstance(sub, PARALLEL_LAYERS):
-            if any(isinstance(p, PARALLEL_LAYERS) for p in _ancestors(module, name)):
-                continue
-            prefix = f"{name}." if name else ""
-            for key in [k for k in state if k.startswith(prefix)]:
-                del state[key]
-            for key, value in sub.full_state().items():
-                state[prefix + key] = value
-    return state
-
-
-def load_gathered_state_dict(module: nn.Module, state: Mapping[str, Any], strict: bool = True):
-    """Load a full (original-layout) state into a converted module, slicing for this rank."""
-    state = dict(state)
-    for name, sub in module.named_modules():
-        if isinstance(sub, PARALLEL_LAYERS):
-            if any(isinstance(p, PARALLEL_LAYERS) for p in _ancestors(module, name)):
-                continue
-            prefix = f"{name}." if name else ""
-            mine = {k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
-            sub.load_full_state(mine)
-    parallel_keys = {k for k in module.state_dict() if _owned_by_parallel(module, k)}
-    missing, unexpected = [], []
-    result = module.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if k not in parallel_keys]
-    unexpected = list(result.unexpected_keys)
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"load_gathered_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-    return missing, unexpected
-
-
-def _ancestors(module: nn.Module, name: str):
-    parts = name.split(".")
-    for i in range(1, len(parts)):
-        yield module.get_submodule(".".join(parts[:i]))
-
-
-def _owned_by_parallel(module: nn.Module, key: str) -> bool:
-    parts = key.split(".")
-    for i in range(1, len(parts)):
-        try:
-            sub = module.get_submodule(".".join(parts[:i]))
-        except AttributeError:
-            return False
-        if isinstance(sub, PARALLEL_LAYERS):
-            return True
-    return False

@@ -31,8 +31,9 @@ from torch.optim import Optimizer
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.groups import ParallelGroups, build_groups, validate_sizes
 from lightning_amp.parallel.main_grad import MainGradBuffer, clip_grad_norm_
-from lightning_amp.parallel.plan import (PARALLEL_LAYERS, Conversion, PlanReport, convert_model, gathered_state_dict,
-                                         load_gathered_state_dict)
+from lightning_amp.parallel.convert import (PARALLEL_LAYERS, Conversion, PlanReport, convert, gathered_state_dict,
+                                            load_gathered_state_dict)
+from lightning_amp.parallel.plan import TensorParallelPlan, build_plan
 
 
 class TensorParallelRuntime:
@@ -45,6 +46,7 @@ class TensorParallelRuntime:
         self.groups: Optional[ParallelGroups] = None
         self.grad_buffer: Optional[MainGradBuffer] = None
         self.conversions: list[Conversion] = []
+        self.plan: Optional[TensorParallelPlan] = None  # the checked plan (after apply_plan)
         self.report: Optional[PlanReport] = None  # what the plan split and left whole (after apply_plan)
         self.converted = False
 
@@ -102,11 +104,15 @@ class TensorParallelRuntime:
         _broadcast_from_rank_zero(module)
 
     def apply_plan(self, module: nn.Module) -> list[Conversion]:
-        """Replace the planned layers of ``module`` in place by parallel ones holding this rank's slices of the
-        existing weights (:func:`~lightning_amp.parallel.plan.convert_model`); returns the conversion table and keeps
-        the whole :class:`~lightning_amp.parallel.report.PlanReport` as :attr:`report`."""
+        """Read and check the plan of ``module`` (:func:`~lightning_amp.parallel.plan.build_plan`, kept as :attr:`plan`),
+        then replace the planned layers in place by parallel ones holding this rank's slices of the existing weights
+        (:func:`~lightning_amp.parallel.convert.convert`); returns the conversion table and keeps the whole
+        :class:`~lightning_amp.parallel.convert.PlanReport` as :attr:`report`."""
         assert self.groups is not None, "build_groups first"
-        self.report = convert_model(module, self.groups.tp_group, self.config)
+        config = self.config
+        self.plan = build_plan(module, config.plan, self.groups.tp_size, config.sequence_parallel,
+                               config.allow_replicated, config.unsplit_ok)
+        self.report = convert(module, self.plan, self.groups.tp_group, config)
         self.conversions = self.report.conversions
         self.converted = True
         return self.conversions

@@ -3,7 +3,7 @@
 One process per device like "ddp" (gloo on CPU, nccl on CUDA). Ranks form TP groups of
 ``tensor_parallel_size`` consecutive ranks within a node and DP groups across them. At setup the
 strategy (1) broadcasts rank 0's weights, (2) converts the module in place with
-:func:`~lightning_amp.parallel.plan.apply_plan` (this rank's slice of the existing weights),
+:func:`~lightning_amp.parallel.convert.convert` (this rank's slice of the existing weights),
 (3) lets the precision plugin cast it, (4) gives every param an fp32 ``main_grad`` in one flat
 buffer (:class:`~lightning_amp.parallel.main_grad.MainGradBuffer`) whose DP all-reduce replaces
 torch's DDP wrapper. Before the optimizer step ``p.grad`` points at ``main_grad``; after it the
@@ -54,7 +54,10 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
             blocks then raise ValueError asking for it).
         gradient_accumulation_fusion: parallel Linear weight grads go straight into ``main_grad``.
         async_grad_allreduce: overlap the input-gradient all-reduce with the weight-gradient GEMM.
-        plan: ``"auto"`` or ``{"glob.of.module.names": "column" | "row" | "replicate"}``.
+        plan: ``"auto"``, or an explicit plan: a :class:`~lightning_amp.parallel.plan.TensorParallelPlan` (as
+            ``strategy.plan`` holds after setup), its dict or JSON form, torch's plan dicts (``ColwiseParallel()``,
+            ``RowwiseParallel()``, ``SequenceParallel()``), or ``"column" | "row" | "replicate"`` per module path
+            or glob (docs/tensor-parallel.md, "The plan is a value").
         process_group_backend: as for "ddp" (default gloo on CPU, nccl on CUDA).
         bucket_numel: DP all-reduce bucket size in fp32 elements.
         overlap_grad_reduce: launch each DP bucket's all-reduce during backward when it is complete.
@@ -82,7 +85,7 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
         sequence_parallel: bool = False,
         gradient_accumulation_fusion: bool = True,
         async_grad_allreduce: bool = True,
-        plan: Union[str, Mapping[str, str]] = "auto",
+        plan: Union[str, Mapping[str, Any]] = "auto",
         process_group_backend: Optional[str] = None,
         sequence_dim: Optional[int] = None,
         bucket_numel: int = 2**22,

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_amp  # noqa: F401  (registers "tp_fused")
-from lightning_amp.parallel.plan import PARALLEL_LAYERS
+from lightning_amp.parallel.convert import PARALLEL_LAYERS
 from support import torchtitan_llama as tt
 from support.processes import free_port
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_amp.parallel import TensorParallelConfig
-from lightning_amp.parallel.plan import convert_model
+from lightning_amp.parallel.convert import convert_model
 from support.optional_deps import require
 from support.processes import run_on_two_ranks
 

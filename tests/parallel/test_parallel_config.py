@@ -19,7 +19,7 @@ from lightning_amp.parallel import TensorParallelConfig
     ({"allow_replicated": "yes"}, TypeError, "allow_replicated must be a bool"),
     ({"sequence_dim": 2}, ValueError, r"sequence_dim must be None .* 0 .* or 1"),
     ({"bucket_numel": 0}, ValueError, "bucket_numel must be a positive int"),
-    ({"plan": {"a.*": "diagonal"}}, ValueError, r"plan entry 'a\.\*': 'diagonal' must be one of \('column', 'row', 'replicate'\)"),
+    ({"plan": {"a.*": "diagonal"}}, ValueError, r"plan entry 'a\.\*': 'diagonal' must be one of \('column', 'row', 'replicated', 'attention', 'replicate'\)"),
     ({"plan": ["a"]}, TypeError, "plan must be 'auto' or a dict"),
 ])
 def test_bad_options_raise_naming_the_argument_and_the_allowed_values(kwargs, error, match):

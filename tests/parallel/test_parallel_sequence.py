@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_amp  # noqa: F401  (registers "tp_fused")
 from lightning_amp.parallel import apply_plan
 from lightning_amp.parallel.main_grad import MainGradBuffer
-from lightning_amp.parallel.plan import gathered_state_dict
+from lightning_amp.parallel.convert import gathered_state_dict
 from lightning_amp.trainer.strategy import TensorParallelStrategy
 from support.processes import free_port
 

@@ -3,7 +3,10 @@
 renamed, under Fabric(strategy="tp_fused") on real gloo ranks, against one process: every Linear but the vocabulary
 head split (the attention found by structure), MHA, GQA and MQA with key/value heads split and replicated at tp=2
 (2 ranks) and tp=4 (4 ranks: 2 key/value groups replicated, where a rank that picks the wrong key/value head shows);
-litgpt's fused [q | k | v] with 2 groups at tp=4 too (tests/support/scripts/litgpt_tp.py's loop). fp32: every step's loss
+litgpt's fused [q | k | v] with 2 groups at tp=4 too (tests/support/scripts/litgpt_tp.py's loop), and ``transformers``
+Phi-3's fused GQA ``qkv_proj`` at tp=4 (tests/support/fused_families.py: 4 query heads and 2 key/value heads, one query
+head per rank and the key/value heads replicated; 8 and 4, split: 2 query heads and 1 key/value head per rank), its
+attention and MLP split in every block with the planned per-rank weights. fp32: every step's loss
 and every weight within 1e-5 relative of one process (measured: losses <= 1.2e-7, weights <= 2.2e-7); the gathered checkpoint loads strictly into the plain model,
 which then computes the TP model's logits, and loads back into the TP model exactly; the plan report is logged once,
 on rank 0, and kept as ``fabric.strategy.plan_report``. O2 (bf16) with the key/value head kept whole: within bf16
@@ -17,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.fused_families import assert_split_as_planned
 from support.optional_deps import available
 from support.processes import run_ranks
 from support.scripts import torchtitan_tp as loop
@@ -24,7 +28,8 @@ from support.scripts import torchtitan_tp as loop
 ROOT = Path(__file__).resolve().parents[2]
 TP2 = ["mha", "gqa", "mqa", "renamed_meta_gqa"]
 O2 = ["mqa@O2"]  # the key/value head kept whole, under AmpO2 (bf16)
-TP4 = ["gqa8", "gqa8_2", "mqa8", "renamed_meta_gqa8_2"] + (["litgpt:llama_gqa"] if available("litgpt") else [])
+TP4 = (["gqa8", "gqa8_2", "mqa8", "renamed_meta_gqa8_2"] + (["litgpt:llama_gqa"] if available("litgpt") else [])
+       + (["hf:phi3", "hf:phi3_gqa8"] if available("transformers") else []))  # fused GQA: kv replicated, kv split
 
 
 def _launch(out: Path, names: list, world_size: int) -> dict:
@@ -57,7 +62,9 @@ def _relative(a: dict, b: dict) -> float:
 
 
 RUN_IDS = [(n, 2) for n in TP2] + [(n, 4) for n in TP4]  # fp32
-TITAN_IDS = [(n, t) for n, t in RUN_IDS if not n.startswith("litgpt")]
+LOOP_IDS = [(n, t) for n, t in RUN_IDS if not n.startswith("litgpt")]  # this loop's models (litgpt's: its own test)
+TITAN_IDS = [(n, t) for n, t in LOOP_IDS if not n.startswith("hf:")]
+HF_IDS = [(n, t) for n, t in LOOP_IDS if n.startswith("hf:")]
 
 
 @pytest.mark.slow
@@ -125,7 +132,19 @@ def test_every_linear_but_the_vocabulary_head_is_split_and_reported(runs, name, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, tp", TITAN_IDS, ids=[f"{n}-tp{t}" for n, t in TITAN_IDS])
+@pytest.mark.parametrize("name, tp", HF_IDS, ids=[f"{n}-tp{t}" for n, t in HF_IDS])
+def test_transformers_fused_gqa_splits_attention_and_mlp_of_every_block(runs, name, tp):
+    local = runs[(name, tp)][0]["local_shapes"]
+    shapes = {k.removeprefix("lm.").removesuffix(".weight"): v for k, v in local.items()
+              if k.endswith((".weight", ".kv_weight"))}
+    assert_split_as_planned(shapes, name[3:], tp)
+    units = runs[(name, tp)][0]["report"]["units"]
+    assert sorted("MLP" if "MLP" in family else family for family, _, _, _ in units) == ["MLP", "MLP", "attention",
+                                                                                          "attention"], units
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, tp", LOOP_IDS, ids=[f"{n}-tp{t}" for n, t in LOOP_IDS])
 def test_gathered_checkpoint_round_trip(runs, name, tp):
     """The gathered weights load strictly into the plain model, which computes the TP model's logits (fp32, 1e-5
     relative), and load back into the TP model: gathered again, the same tensors (litgpt's: test_litgpt_tp.py)."""

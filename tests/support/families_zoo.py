@@ -99,13 +99,20 @@ class Zoo(pl.LightningModule):
             self.families["demo"] = Transformer(vocab_size=VOCAB, ninp=HIDDEN, nhead=HEADS, nhid=FFN, nlayers=LAYERS,
                                                 dropout=0.0)
         self.losses = {name: [] for name in self.families}
-        self.converted = {}
+        self.converted, self.local_shapes = {}, {}
 
     def on_train_start(self):
-        """Per family, how many Linear layers the strategy made column- and row-parallel (this rank)."""
+        """Per family, how many Linear layers the strategy made column- and row-parallel (this rank), and the shape
+        of each parallel layer's weight on this rank (a key/value block kept whole: its own entry)."""
         self.converted = {name: [sum(isinstance(m, kind) for m in family.modules())
                                  for kind in (ColumnParallelLinear, RowParallelLinear)]
                           for name, family in self.families.items()}
+        self.local_shapes = {name: {path: list(m.weight.shape) for path, m in family.named_modules()
+                                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+                             for name, family in self.families.items()}
+        for name, family in self.families.items():
+            self.local_shapes[name].update({f"{path}.kv_weight": list(m.kv_weight.shape)
+                                            for path, m in family.named_modules() if hasattr(m, "kv_weight")})
 
     def setup(self, stage):
         if self.trainer.world_size > 1:  # 2 ranks on 2 shared cores: do not oversubscribe
@@ -143,6 +150,8 @@ class Zoo(pl.LightningModule):
                     json.dump(self.losses, f)
                 with open(os.path.join(self.out_dir, "converted.json"), "w") as f:
                     json.dump(self.converted, f)
+                with open(os.path.join(self.out_dir, "local_shapes.json"), "w") as f:
+                    json.dump(self.local_shapes, f)
 
 
 def data():

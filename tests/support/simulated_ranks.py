@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_amp.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelConfig
-from lightning_amp.parallel.fused_qkv import ReplicatedKVColumnParallel
-from lightning_amp.parallel.plan import apply_checked_plan, build_plan
-from lightning_amp.parallel.replicated_heads import ReplicatedHeadsLinear
+from lightning_amp.parallel.fused_qkv import ReplicatedHeadsLinear, ReplicatedKVColumnParallel
+from lightning_amp.parallel.convert import convert
+from lightning_amp.parallel.plan import build_plan
 
 
 @contextlib.contextmanager
@@ -41,7 +41,7 @@ def simulate(full: nn.Module, run: Callable[[nn.Module], Tensor], tp: int):
     for rank in range(tp):
         copy_ = copy.deepcopy(full)
         with as_rank(rank, tp):
-            reports.append(apply_checked_plan(copy_, plan, None, TensorParallelConfig()))
+            reports.append(convert(copy_, plan, None, TensorParallelConfig()))
             total = total + run(copy_)
         ranks.append(copy_)
     return plan, reports[0], ranks, total

@@ -1,4 +1,4 @@
-"""Reading a forward (lightning_amp/parallel/forward_graph.py) changes nothing and says where its ints come from:
+"""Reading a forward (lightning_amp/parallel/reading/forward_graph.py) changes nothing and says where its ints come from:
 the module's attributes, lists and the random number generator are as before, even when its forward writes them;
 a reshape's arguments carry the attributes they were computed from, through arithmetic and a shared config; read
 with other values, the forward runs as it would with them, on copies."""
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_amp.parallel.data_flow import products
-from lightning_amp.parallel.forward_graph import read_forward, tags_of
+from lightning_amp.parallel.reading.forward_graph import products
+from lightning_amp.parallel.reading.forward_graph import read_forward, tags_of
 
 
 def _logged(forward):

@@ -19,11 +19,10 @@ from typing import Optional, Sequence
 
 from torch import nn
 
-from lightning_amp.parallel.data_flow import products, sources
-from lightning_amp.parallel.families import HEAD_ATTRS
-from lightning_amp.parallel.forward_graph import ForwardUnreadable, read_forward
-from lightning_amp.parallel.heads import attention_unit
-from lightning_amp.parallel.projections import is_projection, widths_of
+from lightning_amp.parallel.reading.families import HEAD_ATTRS
+from lightning_amp.parallel.reading.forward_graph import (ForwardUnreadable, is_projection, products, read_forward,
+                                                          sources, widths_of)
+from lightning_amp.parallel.reading.heads import attention_unit
 
 _HEAD_COUNTS = HEAD_ATTRS + ("head_dim", "head_size", "num_kv_heads", "n_local_heads", "attention_head_size")
 _ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)

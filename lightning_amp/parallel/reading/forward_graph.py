@@ -3,7 +3,7 @@
 :func:`read_forward` traces ``module.forward`` symbolically into a :class:`ForwardGraph`: the ops from the inputs
 to the outputs, with the layers that hold weights (``nn.Linear``, ``transformers``' ``Conv1D``, every module of
 ``torch.nn``) as single nodes. The tensor-parallel plan reads it to find attention blocks and MLPs by what they
-compute (:mod:`~lightning_amp.parallel.structure`). Three things go beyond a plain ``torch.fx.symbolic_trace``:
+compute (:mod:`~lightning_amp.parallel.reading.structure`). Three things go beyond a plain ``torch.fx.symbolic_trace``:
 
 * **shapes**: the first positional input is given a shape, ``(2, 5, hidden)``, and every op whose inputs are known
   is run on ``meta`` tensors (no memory, no data), so code that reads shapes (``x.shape[:-1]``, ``B, T, C =
@@ -21,6 +21,22 @@ compute (:mod:`~lightning_amp.parallel.structure`). Three things go beyond a pla
 
 ``forward`` methods wrapped by decorators (``functools.wraps``, as ``transformers`` does) are read unwrapped.
 :class:`ForwardUnreadable` says why a forward cannot be read (fx's own reason).
+
+**The layers and ops a reading knows**: projections, the layers a plan splits (``nn.Linear`` and ``transformers``'
+``Conv1D``: :func:`is_projection`, :func:`widths_of`), and ops that act elementwise (:data:`ELEMENTWISE` modules,
+functions and tensor methods), which a column layer's shard may pass through.
+
+**Walks along the data** of a :class:`ForwardGraph` (:func:`sources`, :func:`data_inputs`, :func:`data_users`,
+:func:`reach`): which projections a value is computed from, where a projection's output goes, and the attention
+products of a forward (:func:`products`). Shapes, sizes and dtypes read off a tensor (``x.shape[:-1]`` for a reshape)
+are not its data: the walks do not follow them, so a reshape that reads the query's shape does not make the key
+depend on the query.
+
+**Heads folded into the batch**: attention products ``bias.baddbmm(q, k^T)`` and ``bmm`` on ``[batch * heads,
+sequence, head_size]`` (BLOOM) are products too. The first input is read with ``batch = 2`` (:data:`READ_BATCH`): a
+product input of 4 or more dimensions holds its heads in its third-to-last one; a 3-dimensional one ``[batch * heads,
+...]`` holds ``heads = dim 0 / batch`` (one head when nothing was folded: ``[batch, sequence, head_size]``)
+(:func:`heads_at`).
 """
 from __future__ import annotations
 
@@ -35,10 +51,59 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.fx.proxy import Attribute, Proxy, TraceError
 
-from lightning_amp.parallel.projections import is_conv1d, is_projection, widths_of
+
+# ------------------------------------------------------------------- the layers and ops a reading knows
+
+def is_conv1d(module: nn.Module) -> bool:
+    """``transformers``' ``Conv1D``: a Linear storing its weight as ``[in, out]`` (``nx``, ``nf``). Reads the module's
+    dicts, not ``getattr``, which ``torch.fx`` replaces while it traces."""
+    if type(module).__name__ != "Conv1D":
+        return False
+    weight = module._parameters.get("weight")
+    return isinstance(vars(module).get("nf"), int) and weight is not None and tuple(weight.shape) == (module.nx, module.nf)
+
+
+def is_projection(module: nn.Module) -> bool:
+    """A layer the plan can split: ``nn.Linear`` or ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def widths_of(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a projection."""
+    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
+
+
+#: modules that act elementwise (a column layer's shard may pass through them)
+ELEMENTWISE = (
+    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
+    nn.Hardswish, nn.Identity, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardtanh,
+)
+_ELEMENTWISE_FUNCTIONS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.exp, torch.erf, torch.tanh,
+    torch.sigmoid, torch.relu, torch.clamp, torch.sqrt, torch.abs,
+    F.relu, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.relu6, F.hardswish, F.hardtanh,
+    F.softplus, F.sigmoid, F.tanh, F.dropout,
+})
+_ELEMENTWISE_METHODS = frozenset({
+    "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "relu", "clamp", "sqrt", "abs",
+    "float", "half", "bfloat16", "to", "type", "type_as", "contiguous",
+})
+
+
+def _elementwise(owner: nn.Module, node) -> bool:
+    if node.op == "call_module":
+        return isinstance(owner.get_submodule(node.target), ELEMENTWISE)
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    return False
+
 
 #: an attribute that holds an int: (module path relative to the read module, attribute names from that module);
 #: ``("blocks.0.attn", ("n_heads",))`` or, through a plain object, ``("attn", ("config", "n_head"))``
@@ -46,6 +111,11 @@ Key = tuple[str, tuple[str, ...]]
 
 _UNKNOWN = object()
 _BATCH, _SEQ = 2, 5  # the shape given to the first input: (batch, sequence, hidden)
+READ_BATCH = _BATCH
+#: what a required input is read as when the forward cannot be read without knowing its shape (``len(bias.shape)``):
+#: an additive bias broadcast over everything, as MPT's ALiBi ``position_bias`` is checked to be (3 dimensions)
+_BROADCAST_BIAS = (1, 1, 1)
+_GIVEN = ("<the required inputs given as broadcast biases>",)  # a reading attempt
 _ELEMENTWISE_BINARY = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
                                  torch.mul, torch.div, "add", "sub", "mul", "div", "add_", "mul_", "sub_", "div_"})
 
@@ -147,9 +217,9 @@ class _Reader(fx.Tracer):
     """fx's tracer with meta values (see the module docstring)."""
 
     def __init__(self, first_input: Optional[torch.Tensor], widths: Mapping[str, tuple[int, int]],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, given: Mapping[str, torch.Tensor] = None) -> None:
         super().__init__()
-        self.first_input, self.widths, self.dtype = first_input, dict(widths), dtype
+        self.first_input, self.widths, self.dtype, self.given = first_input, dict(widths), dtype, dict(given or {})
         self.values: dict = {}
         self.errors: dict = {}
         self._placeholders = 0
@@ -194,13 +264,15 @@ class _Reader(fx.Tracer):
     def _evaluate(self, node: fx.Node) -> Any:
         if node.op == "placeholder":
             self._placeholders += 1
+            if self._placeholders > 1 and node.target in self.given:
+                return self.given[node.target]
             return self.first_input if self._placeholders == 1 and self.first_input is not None else _UNKNOWN
         if node.op == "get_attr":
             return _to_meta(_resolve(self.root, node.target))
         args, unknown = _materialize(node.args, self.values)
         kwargs, unknown_kw = _materialize(node.kwargs, self.values)
         if unknown:
-            return self._partly_known(node, args)
+            return self._partly_known(node, args, kwargs)
         if unknown_kw:  # an optional input the reading does not know (a mask): run without it
             kwargs = {k: v for k, v in kwargs.items() if k not in unknown_kw}
         try:
@@ -210,10 +282,11 @@ class _Reader(fx.Tracer):
                 self.errors[node] = error
             return _UNKNOWN
 
-    def _partly_known(self, node: fx.Node, args: tuple) -> Any:
+    def _partly_known(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         """An elementwise op of a known activation (3 dims or more: batch, sequence, ...) and an unknown tensor
-        keeps the activation's shape (a rotary table broadcasts over it); a projection of an unknown input (the
-        encoder states of a cross-attention) is read as (batch, sequence, its outputs)."""
+        keeps the activation's shape (a rotary table broadcasts over it), as ``bias.baddbmm(q, k)`` of an unknown
+        bias keeps ``q @ k``'s; a projection of an unknown input (the encoder states of a cross-attention) is read as
+        (batch, sequence, its outputs)."""
         if node.op == "call_module":
             module = self.root.get_submodule(node.target)
             if is_projection(module):
@@ -227,6 +300,10 @@ class _Reader(fx.Tracer):
                     return args[0][index]
                 except Exception:  # noqa: BLE001 (not an index the tensor takes: unknown)
                     return _UNKNOWN
+        if node.target in ("baddbmm", torch.baddbmm):
+            batches = list(args[1:3]) + [kwargs.get(k) for k in ("batch1", "batch2")][len(args[1:3]):]
+            if all(isinstance(b, torch.Tensor) for b in batches):
+                return torch.bmm(*batches)
         if node.target in _ELEMENTWISE_BINARY and len(args) == 2:
             known = [a for a in args if isinstance(a, torch.Tensor)]
             if len(known) == 1 and known[0].dim() >= 3:
@@ -400,6 +477,13 @@ def _defaults(module: nn.Module) -> dict[str, Any]:
             if p.default is not inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
+def required_inputs(module: nn.Module) -> list[str]:
+    """The parameters of ``module.forward`` after the first that have no default."""
+    parameters = list(inspect.signature(inspect.unwrap(type(module).forward)).parameters.values())[2:]
+    return [p.name for p in parameters
+            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 def read_forward(module: nn.Module, hidden: Optional[int] = None, *, widths: Mapping[str, tuple[int, int]] = None,
                  values: Optional[Mapping[Key, int]] = None, unknown: Iterable[str] = (),
                  dtype: torch.dtype = torch.float32) -> ForwardGraph:
@@ -414,12 +498,18 @@ def read_forward(module: nn.Module, hidden: Optional[int] = None, *, widths: Map
     # defaults kept (input_pos=None: no KV cache); a None that the forward needs (position_embeddings=None)
     # is read as an unknown input instead, one at a time, then all together
     attempts = [()] + [(name,) for name in optional] + ([tuple(optional)] if len(optional) > 1 else [])
+    # last, where nothing else reads: the required inputs read as broadcast biases (their shape is asked for)
+    required = required_inputs(module)
+    attempts += [_GIVEN] if required else []
     memo = (inspect.unwrap(type(module).forward), tuple(sorted(defaults)))
     if _WORKED.get(memo) in attempts:  # what worked for this forward before goes first
         attempts.insert(0, attempts.pop(attempts.index(_WORKED[memo])))
     first_error = None
-    for unknown in attempts:
-        tracer = _Reader(first, widths or {}, dtype)
+    for attempt in attempts:
+        given = {} if attempt is not _GIVEN else {
+            name: torch.empty(_BROADCAST_BIAS, device="meta", dtype=dtype) for name in required}
+        unknown = () if attempt is _GIVEN else attempt
+        tracer = _Reader(first, widths or {}, dtype, given)
         root, owners = _private_tree(module, lambda m, path: tracer.is_leaf_module(m, path))
         for key, value in int_fields(owners).items():
             _set(owners, key, Tagged(values.get(key, value) if values else value, [key]))
@@ -429,7 +519,131 @@ def read_forward(module: nn.Module, hidden: Optional[int] = None, *, widths: Map
         except Exception as error:  # noqa: BLE001 (whatever the forward raised under tracing is the reason)
             first_error = first_error or error
             continue
-        _WORKED[memo] = unknown
+        _WORKED[memo] = attempt
         return ForwardGraph(root, graph, tracer.values, tracer.errors)
     reason = (str(first_error).strip().splitlines() or [""])[0][:200]
     raise ForwardUnreadable(f"{type(first_error).__name__}: {reason}")
+
+
+# ------------------------------------------------------------------------------------------- walks along the data
+
+_SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax, "softmax"})
+_MATMUL = frozenset({torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm", torch.Tensor.matmul})
+#: ops that may lie between the attention scores and the softmax, and between the softmax and the product with v
+_SCORE_OPS = frozenset({"masked_fill", "masked_fill_", "float", "to", "type_as", "type", "half", "bfloat16",
+                        F.dropout, torch.where, torch.masked_fill})
+#: ``bias.baddbmm(q, k^T)``: scores with an additive bias (BLOOM's ALiBi), heads folded into the batch
+_BADDBMM = frozenset({torch.baddbmm, "baddbmm"})
+
+
+def reach(nodes: Iterable[fx.Node], step, stop=lambda node: False) -> set:
+    """Every node reached from ``nodes`` by ``step`` (``users`` or ``all_input_nodes``), not going past ``stop``."""
+    seen, todo = set(), [m for n in nodes for m in step(n)]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if not stop(node):
+            todo.extend(step(node))
+    return seen
+
+
+def _calls(node: fx.Node, targets: frozenset) -> bool:
+    return node.op in ("call_function", "call_method") and node.target in targets
+
+
+def _score_op(fg: ForwardGraph, node: fx.Node) -> bool:
+    return _calls(node, _SCORE_OPS) or unfolds_scores(fg, node) or (
+        node.op in ("call_function", "call_method", "call_module") and _elementwise(fg.module, node))
+
+
+_SHAPE_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout"})
+
+
+def carries_data(fg: ForwardGraph, node: fx.Node) -> bool:
+    """Whether ``node`` is a tensor (or holds tensors), not a shape, size or dtype read off one: a reshape's sizes
+    do not carry the values of the tensor they were read from."""
+    value = fg.value(node)
+    if value is not None:
+        return isinstance(value, torch.Tensor) or (isinstance(value, (tuple, list)) and
+                                                   any(isinstance(v, torch.Tensor) for v in value))
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return node.args[1] not in _SHAPE_ATTRS
+    return not (node.op == "call_method" and node.target in ("size", "dim", "numel"))
+
+
+def data_inputs(fg: ForwardGraph, node: fx.Node) -> list:
+    return [n for n in node.all_input_nodes if carries_data(fg, n)]
+
+
+def data_users(fg: ForwardGraph, node: fx.Node) -> list:
+    return [n for n in node.users if carries_data(fg, n)]
+
+
+def sources(fg: ForwardGraph, node: fx.Node) -> set:
+    """The projection nodes ``node`` is computed from (along the data, through anything but other projections)."""
+    seen = reach([node], lambda n: data_inputs(fg, n), stop=lambda n: fg.layer(n) is not None) | {node}
+    return {n for n in seen if fg.layer(n) is not None}
+
+
+def products(fg: ForwardGraph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
+    """(query, key, value, result) of every attention product: ``F.scaled_dot_product_attention`` or
+    ``softmax(q @ k^T ...) @ v`` (scaling, masking, dtype casts and dropout around the softmax)."""
+    found = []
+    for node in fg.graph.nodes:
+        if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
+            args = list(node.args[:3]) + [node.kwargs.get(k) for k in ("query", "key", "value")][len(node.args[:3]):]
+            if all(isinstance(a, fx.Node) for a in args):
+                found.append((args[0], args[1], args[2], node))
+        elif _calls(node, _SOFTMAX) and node.args and isinstance(node.args[0], fx.Node):
+            match = _softmax_product(fg, node)
+            if match is not None:
+                found.append(match)
+    return found
+
+
+def _softmax_product(fg: ForwardGraph, softmax: fx.Node):
+    scores = {n for n in reach([softmax], lambda n: data_inputs(fg, n), stop=lambda n: not _score_op(fg, n))
+              if _calls(n, _MATMUL | _BADDBMM)}
+    product = {n for n in reach([softmax], lambda n: data_users(fg, n), stop=lambda n: not _score_op(fg, n))
+               if _calls(n, _MATMUL)}
+    if len(scores) != 1 or len(product) != 1:
+        return None
+    (scores,), (product,) = scores, product
+    q, k = baddbmm_operands(scores) if _calls(scores, _BADDBMM) else scores.args[:2]
+    v = product.args[1] if len(product.args) > 1 else None
+    if not all(isinstance(a, fx.Node) for a in (q, k, v)) or v in reach([softmax], lambda n: n.users):
+        return None
+    return q, k, v, product
+
+
+# ------------------------------------------------------------------------------------ heads folded into the batch
+
+_UNFOLD = frozenset({"view", "reshape", torch.reshape})
+
+
+def heads_at(shape: tuple[int, ...]) -> int:
+    """The head count a product input of ``shape`` (read with the reading's batch) holds (see the module docstring)."""
+    return shape[-3] if len(shape) >= 4 else shape[0] // READ_BATCH
+
+
+def folded(shape: tuple[int, ...]) -> bool:
+    return len(shape) == 3
+
+
+def baddbmm_operands(node: fx.Node) -> tuple:
+    """(batch1, batch2) of ``torch.baddbmm(input, batch1, batch2)`` or ``input.baddbmm(batch1, batch2)``."""
+    args = list(node.args[1:3]) + [node.kwargs.get(k) for k in ("batch1", "batch2")][len(node.args[1:3]):]
+    return args[0], args[1]
+
+
+def unfolds_scores(fg: ForwardGraph, node: fx.Node) -> bool:
+    """Whether ``node`` only refolds heads and batch of attention scores (``scores.view(batch, heads, q, -1)`` and
+    back): a view or reshape that keeps the last dimension (the keys the softmax runs over) and the element count."""
+    if node.op not in ("call_function", "call_method") or node.target not in _UNFOLD or not node.args:
+        return False
+    before = fg.shape(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    after = fg.shape(node)
+    return (before is not None and after is not None and len(before) >= 3 and len(after) >= 3
+            and before[-1] == after[-1] and before[-2] == after[-2])

@@ -1,6 +1,6 @@
 """The head layout of a fused ``[q | k | v]`` projection: counts and the split rules, no tensors.
 
-What the reading of a model (:mod:`~lightning_amp.parallel.families`, :mod:`~lightning_amp.parallel.heads`)
+What the reading of a model (:mod:`~lightning_amp.parallel.reading.families`, :mod:`~lightning_amp.parallel.reading.heads`)
 finds and what the layer that splits the weight (:mod:`~lightning_amp.parallel.fused_qkv`) is built from.
 """
 from __future__ import annotations

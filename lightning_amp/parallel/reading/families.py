@@ -20,7 +20,7 @@ named MLPs (Llama, Falcon, OPT, litgpt...)  ``gate_proj``/``up_proj``/``fc1``/``
 =========================================  ===============================================  =====================
 
 [*] :data:`FALLBACK_MATCHERS`: used only where torch.fx cannot read the module's forward; elsewhere
-:mod:`~lightning_amp.parallel.structure` finds these attentions (and any other) by what their forward computes.
+:mod:`~lightning_amp.parallel.reading.structure` finds these attentions (and any other) by what their forward computes.
 
 Attention heads are split whole: the query heads and the key/value heads (GQA) must both divide by
 the TP size, else :func:`lightning_amp.parallel.plan.build_plan` raises naming the module; litgpt's
@@ -38,13 +38,9 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from lightning_amp.parallel.qkv_heads import QKVHeads
-from lightning_amp.parallel.projections import is_conv1d  # noqa: F401 (re-exported)
+from lightning_amp.parallel.reading.qkv_heads import QKVHeads
+from lightning_amp.parallel.reading.forward_graph import ELEMENTWISE, is_conv1d  # noqa: F401 (is_conv1d re-exported)
 
-ELEMENTWISE = (
-    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
-    nn.Hardswish, nn.Identity, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardtanh,
-)
 #: head-count attributes divided by the TP size on a split attention module (when present as ints)
 HEAD_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head", "num_key_value_heads", "n_kv_heads",
               "all_head_size", "split_size")
@@ -63,12 +59,14 @@ class Unit:
     per-rank copy holding the local head counts of ``qkv_heads``. ``divisible``: (what, value) pairs that
     must divide by the TP size. ``problem``: why this unit cannot be split at all.
 
-    Units found by structure (:mod:`~lightning_amp.parallel.structure`, ``found_by="structure"``) also carry
+    Units found by structure (:mod:`~lightning_amp.parallel.reading.structure`, ``found_by="structure"``) also carry
     ``replicated_heads`` (per key or value projection kept whole on every rank: its head count and size, see
-    :mod:`~lightning_amp.parallel.replicated_heads`), ``head_values`` (per attribute key, the per-rank value its
-    forward needs, see :mod:`~lightning_amp.parallel.heads`) and ``attention_shape`` (the heads it found).
-    ``partial_grads``: modules or params used between the unit's columns and rows (a norm over each head's
-    features): every rank sees only its heads, so their gradients are summed over the TP group.
+    :mod:`~lightning_amp.parallel.fused_qkv`), ``head_values`` (per attribute key, the per-rank value its
+    forward needs, see :mod:`~lightning_amp.parallel.reading.heads`) and ``attention_shape`` (the heads it found).
+    ``head_inputs``: per attention module path, the inputs of its forward cut to each rank's heads (an ALiBi bias, see
+    :mod:`~lightning_amp.parallel.reading.head_inputs`). ``partial_grads``: modules or params used between the unit's
+    columns and rows (a norm over each head's features): every rank sees only its heads, so their gradients are summed
+    over the TP group.
     """
 
     family: str
@@ -87,6 +85,7 @@ class Unit:
     replicated_heads: dict[str, tuple[int, int]] = field(default_factory=dict)
     head_values: dict[tuple[str, tuple[str, ...]], int] = field(default_factory=dict)
     attention_shape: Optional[object] = None
+    head_inputs: dict[str, tuple] = field(default_factory=dict)  # attention path -> its per-head inputs (ALiBi)
 
     @property
     def members(self) -> list[str]:

@@ -1,10 +1,10 @@
 """``plan="auto"``: the units of a model, found by its layout's names where they are known, by structure otherwise.
 
-In order: the known families of :mod:`~lightning_amp.parallel.families` (a fast path on types and child names:
+In order: the known families of :mod:`~lightning_amp.parallel.reading.families` (a fast path on types and child names:
 ``nn.MultiheadAttention``, ``nn.Transformer*Layer``, BERT, GPT-2, litgpt, named and ``nn.Sequential`` MLPs); then
-:mod:`~lightning_amp.parallel.structure` reads the forward of what is left and finds attention blocks and MLPs by
+:mod:`~lightning_amp.parallel.reading.structure` reads the forward of what is left and finds attention blocks and MLPs by
 what they compute, whatever they are called; last, for modules whose forward ``torch.fx`` cannot read at all, the
-Llama-style ``q_proj``/``k_proj``/``v_proj``/``o_proj`` names (:data:`~lightning_amp.parallel.families.FALLBACK_MATCHERS`).
+Llama-style ``q_proj``/``k_proj``/``v_proj``/``o_proj`` names (:data:`~lightning_amp.parallel.reading.families.FALLBACK_MATCHERS`).
 Every projection left whole has its reason.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_amp.parallel.families import FALLBACK_MATCHERS, Unit, find_units
-from lightning_amp.parallel.structure import find_structural_units
+from lightning_amp.parallel.reading.families import FALLBACK_MATCHERS, Unit, find_units
+from lightning_amp.parallel.reading.structure import find_structural_units
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Attention blocks and MLPs found by what a forward computes, whatever their layers and attributes are called.
 
-:func:`find_structural_units` reads modules with :func:`~lightning_amp.parallel.forward_graph.read_forward`, from the
+:func:`find_structural_units` reads modules with :func:`~lightning_amp.parallel.reading.forward_graph.read_forward`, from the
 model down (a module read whole covers every module under it; one that cannot be read is passed over for its
 children), and finds in each graph:
 
@@ -9,13 +9,13 @@ children), and finds in each graph:
   ``[q | k | v]`` by ``split``/``chunk`` or viewed ``(..., 3, heads, head_size)``), and the one projection that
   consumes its result: the out-projection. Nothing but elementwise ops may lie between a projection and the reshape
   that splits its features into heads. The head size is the last dimension of the product's inputs, the head counts
-  follow from the projections' widths (:mod:`~lightning_amp.parallel.heads` finds the attributes the forward reads
+  follow from the projections' widths (:mod:`~lightning_amp.parallel.reading.heads` finds the attributes the forward reads
   for its reshapes and the values one rank needs);
 * **MLP**: projections whose outputs reach one other projection through elementwise ops only (``fc1 -> gelu ->
   fc2``, ``w2(silu(w1(x)) * w3(x))``): column-parallel, then row-parallel.
 
 Projections found in neither are left whole, each with the reason (:attr:`StructuralPlan.whole`). An attention
-whose heads cannot be split is a :class:`~lightning_amp.parallel.families.Unit` with its ``problem`` set: the plan
+whose heads cannot be split is a :class:`~lightning_amp.parallel.reading.families.Unit` with its ``problem`` set: the plan
 refuses it by name.
 """
 from __future__ import annotations
@@ -29,12 +29,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from lightning_amp.parallel.between import _elementwise
-from lightning_amp.parallel.families import Unit
-from lightning_amp.parallel.data_flow import data_inputs, data_users, products, reach, sources
-from lightning_amp.parallel.forward_graph import ForwardGraph, ForwardUnreadable, read_forward
-from lightning_amp.parallel.projections import is_conv1d, is_projection, widths_of
-from lightning_amp.parallel.heads import attention_unit
+from lightning_amp.parallel.reading.families import Unit
+from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, _elementwise, data_inputs,
+                                                          data_users, is_conv1d, is_projection, products, reach,
+                                                          read_forward, sources, widths_of)
+from lightning_amp.parallel.reading.heads import attention_unit
 
 
 @dataclass

@@ -15,7 +15,6 @@ Nothing is changed or run on real data.
 """
 from __future__ import annotations
 
-import operator
 import warnings
 from typing import Optional
 
@@ -23,19 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_amp.parallel.families import ELEMENTWISE
+from lightning_amp.parallel.reading.forward_graph import _elementwise
 
-_ELEMENTWISE_FUNCTIONS = frozenset({
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.exp, torch.erf, torch.tanh,
-    torch.sigmoid, torch.relu, torch.clamp, torch.sqrt, torch.abs,
-    F.relu, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.relu6, F.hardswish, F.hardtanh,
-    F.softplus, F.sigmoid, F.tanh, F.dropout,
-})
-_ELEMENTWISE_METHODS = frozenset({
-    "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "relu", "clamp", "sqrt", "abs",
-    "float", "half", "bfloat16", "to", "type", "type_as", "contiguous",
-})
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm)
 _NORM_FUNCTIONS = frozenset({F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm})  # (x, normalized_shape, ...)
 
@@ -137,16 +125,6 @@ def _reach(nodes, step) -> set:
             seen.add(node)
             todo.extend(step(node))
     return seen
-
-
-def _elementwise(owner: nn.Module, node) -> bool:
-    if node.op == "call_module":
-        return isinstance(owner.get_submodule(node.target), ELEMENTWISE)
-    if node.op == "call_function":
-        return node.target in _ELEMENTWISE_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in _ELEMENTWISE_METHODS
-    return False
 
 
 def _describe(owner: nn.Module, parent: str, node) -> str:

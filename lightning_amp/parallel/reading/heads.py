@@ -35,13 +35,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from lightning_amp.parallel.between import _elementwise
-from lightning_amp.parallel.data_flow import products, reach, sources
-from lightning_amp.parallel.families import Unit
-from lightning_amp.parallel.forward_graph import (ForwardGraph, ForwardUnreadable, Key, optional_inputs, read_forward,
-                                                  tags_of)
-from lightning_amp.parallel.qkv_heads import QKVHeads
-from lightning_amp.parallel.projections import is_conv1d, is_projection, widths_of
+from lightning_amp.parallel.reading.families import Unit
+from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, Key, _elementwise, heads_at,
+                                                          is_conv1d, is_projection, optional_inputs, products, reach,
+                                                          read_forward, sources, tags_of, widths_of)
+from lightning_amp.parallel.reading.head_inputs import find_head_inputs
+from lightning_amp.parallel.reading.qkv_heads import QKVHeads
 
 _MAX_TRIES = 256  # attribute combinations read at most per attention
 _SPLIT_METHODS = frozenset({"split", "chunk", "tensor_split"})
@@ -112,6 +111,7 @@ class _Outcome:
     values: Optional[dict] = None
     partial: tuple = ()
     read: Optional[dict] = None
+    head_inputs: tuple = ()
 
 
 def attention_unit(model: nn.Module, members: list[str], out: str, tp: int, cache: Optional[dict] = None) -> Unit:
@@ -144,6 +144,7 @@ def attention_unit(model: nn.Module, members: list[str], out: str, tp: int, cach
         unit.replicated_heads = {members[1]: (shape.n_kv, shape.head_size), members[2]: (shape.n_kv, shape.v_size)}
     unit.head_values = {(_join(owner_path, path), names): value for (path, names), value in outcome.values.items()}
     unit.partial_grads = [_join(owner_path, p) for p in outcome.partial]
+    unit.head_inputs = {owner_path: outcome.head_inputs} if outcome.head_inputs else {}
     return unit
 
 
@@ -172,6 +173,8 @@ def _analyse(owner: nn.Module, members: list[str], out: str, tp: int) -> _Outcom
         except _Unsplittable as error:
             outcome.problem = str(error)
         outcome.partial = tuple(reading.used_between())
+        outcome.head_inputs, problem = find_head_inputs(reading.graph, reading.product, reading.shape.n_head)
+        outcome.problem = outcome.problem or problem
     return outcome
 
 
@@ -218,9 +221,9 @@ class _Reading:
             seen = [graph.shape(a) for a in _find(graph, members, out)[:3]]
             if any(s is None or len(s) < 3 for s in seen):
                 raise _Unsplittable("the shapes of the query, key and value at the attention product are not known")
-            self.at_product[given] = [s[-3] for s in seen]
-            if seen[0][-3] != self.shape.n_head:
-                raise _Unsplittable(f"the query reaches the attention product with {seen[0][-3]} in its heads "
+            self.at_product[given] = [heads_at(s) for s in seen]
+            if heads_at(seen[0]) != self.shape.n_head:
+                raise _Unsplittable(f"the query reaches the attention product with {heads_at(seen[0])} in its heads "
                                     f"dimension, not its {self.shape.n_head} heads")
             for name, count in zip(("key", "value"), self.at_product[given][1:]):
                 if count not in (self.shape.n_head, self.shape.n_kv):
@@ -324,7 +327,7 @@ class _Reading:
         """A fused projection viewed ``(..., groups, ...)``: each group holds its query heads and key/value heads (see
         :class:`AttentionShape`); the head counts come from the query at the product and the width."""
         d = self.head_size
-        n_head = self.graph.shape(self.product[0])[-3]
+        n_head = heads_at(self.graph.shape(self.product[0]))
         n_kv, odd = divmod(width // d - n_head, 2)
         if width % (groups * d) or odd or n_kv < 1 or n_head % groups or n_kv % groups:
             raise _Unsplittable(f"{self.members[0]} is viewed as {groups} groups of {width // groups} features, not "
@@ -455,7 +458,7 @@ class _Reading:
         shapes = [graph.shape(a) for a in product[:3]]
         if any(s is None or len(s) < 3 for s in shapes):
             return "read as one rank, the shapes at the attention product are not known"
-        seen = [s[-3] for s in shapes]
+        seen = [heads_at(s) for s in shapes]
         if seen != expected:
             return (f"read as one rank, the query, key and value reach the attention product with {seen} heads, "
                     f"not {expected}")

@@ -1,0 +1,343 @@
+"""The one conversion of a model by its plan, the report of what it became, and checkpoints in the plain layout.
+
+:func:`convert` takes a checked :class:`~lightning_amp.parallel.plan.TensorParallelPlan` (automatic or explicit: one
+path) and replaces each planned layer in place by the parallel layer holding this rank's slice of the module's
+*current* weights (:mod:`~lightning_amp.parallel.layers`, :mod:`~lightning_amp.parallel.fused_qkv`,
+:mod:`~lightning_amp.parallel.attention`), gives the attributes a split attention's forward reads their per-rank values
+and its per-head inputs their cut (:mod:`~lightning_amp.parallel.head_input_slicer`), and returns the
+:class:`PlanReport`, which the strategies print at setup on rank 0 and keep as ``strategy.plan_report``. :func:`gathered_state_dict` and
+:func:`load_gathered_state_dict` move checkpoints between the converted model and the plain layout.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+from torch import nn
+
+from lightning_amp.parallel.attention import ParallelMultiheadAttention
+from lightning_amp.parallel.comm import SharedInput
+from lightning_amp.parallel.config import TensorParallelConfig
+from lightning_amp.parallel.fused_qkv import ReplicatedHeadsLinear, ReplicatedKVColumnParallel, fused_qkv_parallel
+from lightning_amp.parallel.groups import group_size
+from lightning_amp.parallel.head_input_slicer import install_head_inputs
+from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_amp.parallel.main_grad import mark_sequence_parallel
+from lightning_amp.parallel.plan import TensorParallelPlan, build_plan
+from lightning_amp.parallel.reading.families import HEAD_ATTRS, Unit
+from lightning_amp.parallel.reading.heads import AttentionShape
+from lightning_amp.parallel.sequence import install_boundaries, plan_runs
+
+_LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
+#: the layers a conversion makes (a model holding one is converted already)
+PARALLEL_LAYERS = (ParallelMultiheadAttention, ReplicatedKVColumnParallel, ReplicatedHeadsLinear, ColumnParallelLinear,
+                   RowParallelLinear)
+
+
+@dataclass
+class Conversion:
+    """One layer converted: its path, its class before, its kind ("column" | "row" | "replicated": key/value heads
+    kept whole | "attention": ``nn.MultiheadAttention`` | "seq-split") and what each rank holds."""
+
+    name: str
+    original: str
+    kind: str
+    detail: str
+
+
+@dataclass
+class SplitUnit:
+    """One unit split: its family, how it was found ("names": a known layout; "structure": read from its forward),
+    its heads (attention found by structure), the layers converted and the attributes given per-rank values
+    (path -> (before, after))."""
+
+    family: str
+    found_by: str
+    heads: str = ""
+    layers: list[Conversion] = field(default_factory=list)
+    attributes: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class PlanReport:
+    """What one rank's model became (see the module docstring). ``whole``: per Linear/Conv1D left whole, why."""
+
+    tensor_parallel_size: int
+    split: list[SplitUnit] = field(default_factory=list)
+    whole: dict[str, str] = field(default_factory=dict)
+    sequence: list[Conversion] = field(default_factory=list)
+
+    @property
+    def conversions(self) -> list[Conversion]:
+        """Every converted layer (and sequence-parallel run), in plan order."""
+        return [row for unit in self.split for row in unit.layers] + self.sequence
+
+    def format(self) -> str:
+        """The report as text (printed at setup on rank 0)."""
+        lines = [f"tp_fused plan at tensor_parallel_size={self.tensor_parallel_size}: {len(self.split)} unit(s) split, "
+                 f"{len(self.whole)} layer(s) left whole"]
+        width = max((len(r.name) for r in self.conversions), default=0)
+        for unit in self.split:
+            lines.append(f"  {unit.family} (found by {unit.found_by})" + (f": {unit.heads}" if unit.heads else ""))
+            lines += [f"    {r.name:<{width}}  {r.original:<10} {r.kind:<10} {r.detail}" for r in unit.layers]
+            if unit.attributes:
+                lines.append("    per rank: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in unit.attributes.items()))
+        if self.sequence:
+            lines.append("  sequence parallel:")
+            lines += [f"    {r.name}: {r.detail}" for r in self.sequence]
+        if self.whole:
+            lines.append("  left whole:")
+            lines += [f"    {name}: {why}" for name, why in self.whole.items()]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _parent(module: nn.Module, name: str):
+    parent_name, _, attr = name.rpartition(".")
+    return (module.get_submodule(parent_name) if parent_name else module), parent_name, attr
+
+
+def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, linear_kwargs: dict) -> list[Conversion]:
+    rows = []
+    if unit.attention:
+        parent, _, attr = _parent(module, unit.attention)
+        child = getattr(parent, attr)
+        new = ParallelMultiheadAttention(child, group, **sp_kwargs.get(unit.attention, {}), **linear_kwargs)
+        setattr(parent, attr, new)
+        rows.append(Conversion(unit.attention, type(child).__name__, "attention",
+                               f"{child.num_heads} heads -> {new.local_heads}/rank"))
+    for name in unit.columns + unit.rows:
+        parent, _, attr = _parent(module, name)
+        child = getattr(parent, attr)
+        extra = dict(sp_kwargs.get(name, {}), **linear_kwargs)
+        transposed = name in unit.transposed
+        if name in unit.qkv_heads:
+            heads = unit.qkv_heads[name]
+            new = fused_qkv_parallel(child.weight, child.bias, heads, group, transposed=transposed, **extra)
+            local = heads.local(group_size(group))
+            detail = (f"[q | k | v] heads {heads.n_head}/{heads.n_query_groups} -> {local.n_head}/{local.n_query_groups}"
+                      + ("/rank, key/value replicated" if isinstance(new, ReplicatedKVColumnParallel) else "/rank"))
+        elif name in unit.replicated_heads:
+            n_heads, head_size = unit.replicated_heads[name]
+            new = ReplicatedHeadsLinear(child.weight, child.bias, n_heads, head_size, group, transposed=transposed, **extra)
+            detail = f"{n_heads} head(s) of {head_size} replicated, head {new.head} used"
+        elif name in unit.columns:
+            gather = not unit.rows
+            new = ColumnParallelLinear.from_weights(child.weight, child.bias, group, chunks=unit.chunks.get(name, 1),
+                                                    transposed=transposed, gather_output=gather, **extra)
+            detail = f"out {new.out_features} -> {new.out_per_rank}/rank" + (", gathered" if gather else "")
+            if name in unit.chunks:
+                detail += f", {unit.chunks[name]} blocks split each"
+        else:
+            new = RowParallelLinear.from_weights(child.weight, child.bias, group, transposed=transposed,
+                                                 input_is_parallel=True, **extra)
+            detail = f"in {new.in_features} -> {new.in_per_rank}/rank"
+        setattr(parent, attr, new)
+        kind = "replicated" if name in unit.replicated_heads else "column" if name in unit.columns else "row"
+        rows.append(Conversion(name, type(child).__name__, kind, detail))
+    _share_input(module, unit, group)
+    return rows
+
+
+def _share_input(module: nn.Module, unit: Unit, group: Any) -> None:
+    """Give the unit's column layers one input collective (:class:`~lightning_amp.parallel.comm.SharedInput`) when two or
+    more of them take their input alike (the same sequence-parallel mode, outputs not gathered)."""
+    columns = [module.get_submodule(name) for name in unit.columns]
+    columns = [c for c in columns if hasattr(c, "shared_input") and not getattr(c, "gather_output", False)]
+    modes = {(c.sequence_parallel, c.sequence_dim) for c in columns}
+    if len(columns) > 1 and len(modes) == 1 and group_size(group) > 1:
+        ((sequence_parallel, sequence_dim),) = modes
+        shared = SharedInput(group, sequence_parallel, sequence_dim)
+        for column in columns:
+            column.shared_input = shared
+
+
+def _set_head_values(module: nn.Module, unit: Unit) -> dict[str, tuple[int, int]]:
+    """Give the attributes a structure-found attention's forward reads the values one rank needs (see
+    :mod:`~lightning_amp.parallel.reading.heads`): a module's own attribute is set on it; a field of a plain object (a
+    ``config``, maybe shared with the whole model) is set on a per-rank copy that every module of the attention
+    holding that object gets. Returns {attribute path: (before, after)}."""
+    changed, copies = {}, {}
+    owner_paths = {path for path, _ in unit.head_values}
+    for (path, names), value in sorted(unit.head_values.items()):
+        owner = module.get_submodule(path) if path else module
+        label = ".".join([path, *names]) if path else ".".join(names)
+        if len(names) == 1:
+            changed[label] = (getattr(owner, names[0]), value)
+            setattr(owner, names[0], value)
+            continue
+        shared = getattr(owner, names[0])
+        if id(shared) not in copies:
+            copies[id(shared)] = (shared, copy.copy(shared))  # a shallow copy keeps what __post_init__ derived
+        original, private = copies[id(shared)]
+        changed[label] = (getattr(original, names[1]), value)
+        vars(private)[names[1]] = value
+    for original, private in copies.values():
+        for path in owner_paths:
+            for sub in (module.get_submodule(path) if path else module).modules():
+                for attr, held in list(vars(sub).items()):
+                    if held is original:
+                        setattr(sub, attr, private)
+    return changed
+
+
+def _mark_partial_grads(module: nn.Module, unit: Unit) -> None:
+    """Params used between the unit's columns and rows see this rank's heads only: their gradients are summed over
+    the TP group (the ``sequence_parallel`` mark :class:`~lightning_amp.parallel.main_grad.MainGradBuffer` reads)."""
+    for path in unit.partial_grads:
+        try:
+            mark_sequence_parallel(module.get_submodule(path))
+        except AttributeError:
+            module.get_parameter(path).sequence_parallel = True
+
+
+def _divide_head_attrs(module: nn.Module, unit: Unit, tp: int) -> None:
+    if unit.head_config is not None:  # litgpt: a per-rank copy of the Config the whole model shares
+        owner = module.get_submodule(unit.head_config)
+        (heads,) = (h.local(tp) for h in unit.qkv_heads.values())
+        owner.config = copy.copy(owner.config)  # a shallow copy keeps the fields __post_init__ derived (rope_n_elem)
+        owner.config.n_head, owner.config.n_query_groups = heads.n_head, heads.n_query_groups
+    if unit.heads is None or not unit.rows:
+        return
+    owner = module.get_submodule(unit.heads) if unit.heads else module
+    for attr in HEAD_ATTRS:
+        value = getattr(owner, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(owner, attr, value // tp)
+
+
+def convert_model(module: nn.Module, group: Any = None, config: Optional[TensorParallelConfig] = None,
+                  **layer_kwargs) -> PlanReport:
+    """The plan of ``config.plan`` for ``module`` (:func:`~lightning_amp.parallel.plan.build_plan`: read and checked,
+    nothing changed), then :func:`convert`; returns the :class:`PlanReport` (what was split, how each unit was found,
+    what was left whole and why). ``config``: the options (default ``TensorParallelConfig()``); ``layer_kwargs`` go
+    to every parallel layer."""
+    config = TensorParallelConfig() if config is None else config
+    checked = build_plan(module, config.plan, group_size(group), config.sequence_parallel, config.allow_replicated,
+                         config.unsplit_ok)
+    return convert(module, checked, group, config, **layer_kwargs)
+
+
+def convert(module: nn.Module, checked: TensorParallelPlan, group: Any, config: TensorParallelConfig,
+            **layer_kwargs) -> PlanReport:
+    """The one conversion: replace the layers of ``module`` that ``checked`` splits by this rank's parallel layers of
+    ``group``, holding its slices of the existing weights. ``checked`` is a :func:`~lightning_amp.parallel.plan.build_plan`
+    of ``module`` (or of a copy: the module paths are what count), automatic or explicit alike; nothing else is read."""
+    linear_kwargs = dict(layer_kwargs, config=config)  # the layers read their options from it
+    tp = group_size(group)
+    runs, sp_kwargs = [], {}
+    if config.sequence_parallel:
+        if not checked.units:
+            raise ValueError(f"sequence_parallel=True: the plan found no layer of {type(module).__name__} to split")
+        if any(u.columns and not u.rows for u in checked.units):
+            raise ValueError("sequence_parallel=True: column layers "
+                             f"{[c for u in checked.units if not u.rows for c in u.columns]} have no row-parallel partner")
+        runs, sp_kwargs = plan_runs(module, checked.decisions, config.sequence_dim)
+    report = PlanReport(tp, whole=dict(checked.whole))
+    for unit in checked.units:
+        split = SplitUnit(unit.family, unit.found_by, _heads_line(unit, tp))
+        split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
+        split.attributes = _set_head_values(module, unit)
+        split.heads += install_head_inputs(module, unit, group)
+        _mark_partial_grads(module, unit)
+        _divide_head_attrs(module, unit, tp)
+        report.split.append(split)
+    if config.sequence_parallel:
+        install_boundaries(module, runs, group)
+        report.sequence = [Conversion(run.container, "blocks", "seq-split",
+                                      f"{len(run.names)} block(s), sequence dim {run.seq_dim} split between them")
+                           for run in runs]
+    return report
+
+
+def _heads_line(unit: Unit, tp: int) -> str:
+    shape = unit.attention_shape
+    if shape is None and len(unit.qkv_heads) == 1:  # litgpt's, found by names
+        (heads,) = unit.qkv_heads.values()
+        shape = AttentionShape(heads.n_head, heads.n_query_groups, heads.head_size, heads.head_size, "blocks")
+    return shape.describe(tp) if shape is not None else ""
+
+
+def apply_plan(
+    module: nn.Module,
+    group: Any = None,
+    plan: Union[str, Mapping[str, str]] = "auto",
+    sequence_parallel: bool = False,
+    sequence_dim: Optional[int] = None,
+    allow_replicated: bool = False,
+    *,
+    config: Optional[TensorParallelConfig] = None,
+    **linear_kwargs,
+) -> list[Conversion]:
+    """Validate (see :func:`build_plan`), then replace the planned layers of ``module`` in place;
+    returns the conversion table (:func:`convert_model` returns the whole report).
+
+    ``config``: the options (``plan``, ``sequence_parallel``, ``sequence_dim``, ``allow_replicated`` and the
+    layers' ``gradient_accumulation_fusion`` / ``async_grad_allreduce``); without it they are built from the
+    keywords (``linear_kwargs`` naming those two, the rest going to every parallel layer).
+    With a TP group of size 1 the layers are still converted (fused wgrad path).
+    ``sequence_parallel``: see :mod:`~lightning_amp.parallel.sequence` (``sequence_dim`` for blocks
+    other than ``nn.Transformer*Layer``); a model it cannot handle raises ValueError.
+    """
+    if config is None:
+        layer_options = {k: linear_kwargs.pop(k) for k in _LAYER_OPTIONS if k in linear_kwargs}
+        config = TensorParallelConfig(plan=plan, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                                      allow_replicated=allow_replicated, **layer_options)
+    return convert_model(module, group, config, **linear_kwargs).conversions
+
+
+def gathered_state_dict(module: nn.Module) -> dict:
+    """``module.state_dict()`` with every parallel layer's entries replaced by the gathered full
+    tensors under the original module's keys (collective over each layer's TP group)."""
+    state = module.state_dict()
+    for name, sub in module.named_modules():
+        if isinstance(sub, PARALLEL_LAYERS):
+            if any(isinstance(p, PARALLEL_LAYERS) for p in _ancestors(module, name)):
+                continue
+            prefix = f"{name}." if name else ""
+            for key in [k for k in state if k.startswith(prefix)]:
+                del state[key]
+            for key, value in sub.full_state().items():
+                state[prefix + key] = value
+    return state
+
+
+def load_gathered_state_dict(module: nn.Module, state: Mapping[str, Any], strict: bool = True):
+    """Load a full (original-layout) state into a converted module, slicing for this rank."""
+    state = dict(state)
+    for name, sub in module.named_modules():
+        if isinstance(sub, PARALLEL_LAYERS):
+            if any(isinstance(p, PARALLEL_LAYERS) for p in _ancestors(module, name)):
+                continue
+            prefix = f"{name}." if name else ""
+            mine = {k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
+            sub.load_full_state(mine)
+    parallel_keys = {k for k in module.state_dict() if _owned_by_parallel(module, k)}
+    missing, unexpected = [], []
+    result = module.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k not in parallel_keys]
+    unexpected = list(result.unexpected_keys)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"load_gathered_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    return missing, unexpected
+
+
+def _ancestors(module: nn.Module, name: str):
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        yield module.get_submodule(".".join(parts[:i]))
+
+
+def _owned_by_parallel(module: nn.Module, key: str) -> bool:
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        try:
+            sub = module.get_submodule(".".join(parts[:i]))
+        except AttributeError:
+            return False
+        if isinstance(sub, PARALLEL_LAYERS):
+            return True
+    return False
