@@ -101,45 +101,48 @@ def _parent(module: nn.Module, name: str):
 
 
 def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, linear_kwargs: dict) -> list[Conversion]:
+    """Replace every layer ``unit`` plans (its ``nn.MultiheadAttention``, then its columns and rows) by the parallel
+    layer :func:`_parallel_layer` builds; returns their report rows."""
     rows = []
-    if unit.attention:
-        parent, _, attr = _parent(module, unit.attention)
-        child = getattr(parent, attr)
-        new = ParallelMultiheadAttention(child, group, **sp_kwargs.get(unit.attention, {}), **linear_kwargs)
-        setattr(parent, attr, new)
-        rows.append(Conversion(unit.attention, type(child).__name__, "attention",
-                               f"{child.num_heads} heads -> {new.local_heads}/rank"))
-    for name in unit.columns + unit.rows:
+    for name in ([unit.attention] if unit.attention else []) + unit.columns + unit.rows:
         parent, _, attr = _parent(module, name)
         child = getattr(parent, attr)
-        extra = dict(sp_kwargs.get(name, {}), **linear_kwargs)
-        transposed = name in unit.transposed
-        if name in unit.qkv_heads:
-            heads = unit.qkv_heads[name]
-            new = fused_qkv_parallel(child.weight, child.bias, heads, group, transposed=transposed, **extra)
-            local = heads.local(group_size(group))
-            detail = (f"[q | k | v] heads {heads.n_head}/{heads.n_query_groups} -> {local.n_head}/{local.n_query_groups}"
-                      + ("/rank, key/value replicated" if isinstance(new, ReplicatedKVColumnParallel) else "/rank"))
-        elif name in unit.replicated_heads:
-            n_heads, head_size = unit.replicated_heads[name]
-            new = ReplicatedHeadsLinear(child.weight, child.bias, n_heads, head_size, group, transposed=transposed, **extra)
-            detail = f"{n_heads} head(s) of {head_size} replicated, head {new.head} used"
-        elif name in unit.columns:
-            gather = not unit.rows
-            new = ColumnParallelLinear.from_weights(child.weight, child.bias, group, chunks=unit.chunks.get(name, 1),
-                                                    transposed=transposed, gather_output=gather, **extra)
-            detail = f"out {new.out_features} -> {new.out_per_rank}/rank" + (", gathered" if gather else "")
-            if name in unit.chunks:
-                detail += f", {unit.chunks[name]} blocks split each"
-        else:
-            new = RowParallelLinear.from_weights(child.weight, child.bias, group, transposed=transposed,
-                                                 input_is_parallel=True, **extra)
-            detail = f"in {new.in_features} -> {new.in_per_rank}/rank"
+        new, kind, detail = _parallel_layer(child, name, unit, group, dict(sp_kwargs.get(name, {}), **linear_kwargs))
         setattr(parent, attr, new)
-        kind = "replicated" if name in unit.replicated_heads else "column" if name in unit.columns else "row"
         rows.append(Conversion(name, type(child).__name__, kind, detail))
     _share_input(module, unit, group)
     return rows
+
+
+def _parallel_layer(child: nn.Module, name: str, unit: Unit, group: Any, extra: dict) -> tuple[nn.Module, str, str]:
+    """The one reading of a plan entry: this rank's parallel layer for ``child`` (module path ``name`` of ``unit``),
+    built from its current weights, with its kind and report detail (see :class:`Conversion`). ``extra``: the
+    layer's sequence-parallel and layer options. A path of ``unit.replicated_heads`` / ``unit.qkv_heads`` is never
+    in the other (:func:`~lightning_amp.parallel.plan.build_plan` fills one per entry)."""
+    if name == unit.attention:
+        new = ParallelMultiheadAttention(child, group, **extra)
+        return new, "attention", f"{child.num_heads} heads -> {new.local_heads}/rank"
+    transposed = name in unit.transposed
+    if name in unit.replicated_heads:
+        n_heads, head_size = unit.replicated_heads[name]
+        new = ReplicatedHeadsLinear(child.weight, child.bias, n_heads, head_size, group, transposed=transposed, **extra)
+        return new, "replicated", f"{n_heads} head(s) of {head_size} replicated, head {new.head} used"
+    if name in unit.qkv_heads:
+        heads = unit.qkv_heads[name]
+        new = fused_qkv_parallel(child.weight, child.bias, heads, group, transposed=transposed, **extra)
+        local = heads.local(group_size(group))
+        return new, "column", (f"[q | k | v] heads {heads.n_head}/{heads.n_query_groups} -> {local.n_head}/"
+                               f"{local.n_query_groups}"
+                               + ("/rank, key/value replicated" if isinstance(new, ReplicatedKVColumnParallel) else "/rank"))
+    if name in unit.columns:
+        gather = not unit.rows
+        new = ColumnParallelLinear.from_weights(child.weight, child.bias, group, chunks=unit.chunks.get(name, 1),
+                                                transposed=transposed, gather_output=gather, **extra)
+        detail = f"out {new.out_features} -> {new.out_per_rank}/rank" + (", gathered" if gather else "")
+        return new, "column", detail + (f", {unit.chunks[name]} blocks split each" if name in unit.chunks else "")
+    new = RowParallelLinear.from_weights(child.weight, child.bias, group, transposed=transposed,
+                                         input_is_parallel=True, **extra)
+    return new, "row", f"in {new.in_features} -> {new.in_per_rank}/rank"
 
 
 def _share_input(module: nn.Module, unit: Unit, group: Any) -> None:
@@ -241,9 +244,9 @@ def convert(module: nn.Module, checked: TensorParallelPlan, group: Any, config: 
         split = SplitUnit(unit.family, unit.found_by, _heads_line(unit, tp))
         split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
         split.attributes = _set_head_values(module, unit)
-        split.heads += install_head_inputs(module, unit, group)
-        _mark_partial_grads(module, unit)
         _divide_head_attrs(module, unit, tp)
+        _mark_partial_grads(module, unit)
+        split.heads += install_head_inputs(module, unit, group)
         report.split.append(split)
     if config.sequence_parallel:
         install_boundaries(module, runs, group)

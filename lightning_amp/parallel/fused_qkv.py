@@ -62,13 +62,13 @@ class ReplicatedKVColumnParallel(nn.Module):
         self.heads, self.group, self.tp_size = heads, group, tp
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         q_rows = heads.blocks[0]
+        self.kv_weight = _replicated(weight[q_rows:])
+        self.kv_bias = None if bias is None else _replicated(bias[q_rows:])
+        self.group_index = head_used(group_rank(group), tp, heads.n_query_groups)
         self.q = ColumnParallelLinear.from_weights(
             weight[:q_rows], None if bias is None else bias[:q_rows], group, gather_output=False,
             sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, **linear_kwargs)
         self.q.shared_input = comm.SharedInput(group, sequence_parallel, sequence_dim)
-        self.kv_weight = _replicated(weight[q_rows:])
-        self.kv_bias = None if bias is None else _replicated(bias[q_rows:])
-        self.group_index = head_used(group_rank(group), tp, heads.n_query_groups)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
