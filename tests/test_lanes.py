@@ -91,8 +91,11 @@ if [ "$1" = "--version" ]; then echo "Python 3.11.7"; else echo "torch==${FAKE_T
 def tree(tmp_path):
     """A git copy of this tree's files that .ci/post-suite hashes, with a stand-in ``.venv/bin/python``."""
     copy = tmp_path / "tree"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split("\n")
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        # .ci/torch-lane-tests runs the suite in a copy of the tree's files without .git; make test (the checkout) runs it
+        pytest.skip(f"needs the git work tree the post-suite key lists ({ROOT} is not one)")
+    files = listed.stdout.split("\n")
     for name in filter(None, files):
         source, target = ROOT / name, copy / name
         if source.is_file():
