@@ -23,9 +23,10 @@ MOVED = {
     "lightning_amp.amp.o2_policy": "lightning_amp.amp.o2.policy",
     # issue 47: the model reading in its own sub-package; the plan report beside the conversion that makes it
     **{f"lightning_amp.parallel.{name}": f"lightning_amp.parallel.reading.{name}"
-       for name in ("auto_units", "between", "families", "forward_graph", "heads", "qkv_heads", "structure", "unsplit")},
+       for name in ("between", "families", "forward_graph", "heads", "qkv_heads", "structure", "unsplit")},
+    "lightning_amp.parallel.auto_units": "lightning_amp.parallel.reading.model_reading",  # the model read once
     # the layers and ops a reading knows, and the walks along its data, beside the graph they read
-    "lightning_amp.parallel.data_flow": "lightning_amp.parallel.reading.forward_graph",
+    "lightning_amp.parallel.data_flow": "lightning_amp.parallel.reading.dataflow",
     "lightning_amp.parallel.projections": "lightning_amp.parallel.reading.forward_graph",
     "lightning_amp.parallel.replicated_heads": "lightning_amp.parallel.fused_qkv",  # key/value heads kept whole: one home
     "lightning_amp.parallel.report": "lightning_amp.parallel.convert",

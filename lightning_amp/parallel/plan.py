@@ -35,14 +35,12 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from torch import nn
 
-from lightning_amp.parallel.reading.auto_units import auto_units
 from lightning_amp.parallel.reading.between import between_problem
-from lightning_amp.parallel.reading.families import Unit, is_conv1d, multihead_attention_unit
-from lightning_amp.parallel.reading.forward_graph import is_projection
+from lightning_amp.parallel.reading.families import Unit
 from lightning_amp.parallel.reading.head_inputs import HeadInput
 from lightning_amp.parallel.reading.heads import AttentionShape
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
-from lightning_amp.parallel.reading.unsplit import accepted, unmatched_globs, unsplit_problems
+from lightning_amp.parallel.reading.model_reading import ModelReading, read_model
 
 #: column: output features split; row: input features split; replicated: a key/value projection with fewer heads
 #: than ranks, whole on every rank (each uses its query heads' one); attention: an ``nn.MultiheadAttention``
@@ -341,25 +339,28 @@ def _flatten(plan: Mapping, prefix: str) -> Iterator[tuple[str, Style]]:
             yield entry, _torch_style(entry, value)
 
 
-def _explicit_decisions(module: nn.Module, plan: TensorParallelPlan) -> dict[str, str]:
+def _explicit_decisions(reading: ModelReading, plan: TensorParallelPlan) -> dict[str, str]:
     """Per module path an entry of ``plan`` names (globs expanded), its kind: "column", "row" or "attention"."""
     decisions: dict[str, str] = {}
-    names = [name for name, _ in module.named_modules() if name]
+    names = list(reading.layers)
     for pattern in plan:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             close = difflib.get_close_matches(pattern, names, n=3)
-            raise ValueError(f"plan entry {pattern!r} matches no module of {type(module).__name__}"
+            raise ValueError(f"plan entry {pattern!r} matches no module of {reading.model_name}"
                              + (f" (close: {close})" if close else f" (its modules are named like {names[:3]})"))
     kinds = plan.decisions
-    for name, child in module.named_modules():
+    for name, layer in reading.layers.items():
         for pattern, kind in kinds.items():
-            if name and fnmatch.fnmatchcase(name, pattern):
-                if not (isinstance(child, (nn.Linear, nn.MultiheadAttention)) or is_conv1d(child)):
-                    raise ValueError(f"plan entry {pattern!r}: {name!r} is a {type(child).__name__}; tp_fused splits "
+            if fnmatch.fnmatchcase(name, pattern):
+                if not layer.splits:
+                    raise ValueError(f"plan entry {pattern!r}: {name!r} is a {layer.type_name}; tp_fused splits "
                                      "nn.Linear, Conv1D and nn.MultiheadAttention only (a vocabulary-parallel "
                                      "embedding or a split norm is not supported): leave it out of the plan and it "
                                      "stays whole on every rank")
-                decisions[name] = "attention" if isinstance(child, nn.MultiheadAttention) else kind
+                if kind == "attention" and layer.kind != "attention":
+                    raise ValueError(f"plan entry {pattern!r}: {name!r} is a {layer.type_name}; the style 'attention' "
+                                     "is an nn.MultiheadAttention's (a projection is 'column' or 'row')")
+                decisions[name] = "attention" if layer.kind == "attention" else kind
     return decisions
 
 
@@ -370,11 +371,11 @@ def _unit_kinds(unit: Unit) -> dict[str, str]:
     return kinds
 
 
-def _explicit_units(module: nn.Module, decisions: dict[str, str], tp: int) -> list[Unit]:
-    """Explicit layers grouped into units: the units ``plan="auto"`` finds when complete (their heads and layout),
-    else column/row by parent."""
+def _explicit_units(reading: ModelReading, decisions: dict[str, str]) -> list[Unit]:
+    """Explicit layers grouped into units: the units ``plan="auto"`` finds when complete (their heads and layout;
+    every ``nn.MultiheadAttention`` is one), else column/row by parent."""
     units, left = [], dict(decisions)
-    for unit in auto_units(module, tp).units:
+    for unit in reading.units:
         kinds = _unit_kinds(unit)
         named = {n: k for n, k in kinds.items() if n in decisions}
         if not named or (named != kinds and all(decisions[n] == "column" for n in named)):
@@ -390,12 +391,9 @@ def _explicit_units(module: nn.Module, decisions: dict[str, str], tp: int) -> li
     by_parent: dict[str, Unit] = {}
     for name, kind in left.items():
         parent = name.rpartition(".")[0]
-        if kind == "attention":
-            units += multihead_attention_unit(name, module.get_submodule(name))
-            continue
         unit = by_parent.setdefault(parent, Unit("explicit", heads=parent))
         (unit.columns if kind == "column" else unit.rows).append(name)
-        if is_conv1d(module.get_submodule(name)):
+        if reading.layers[name].kind == "conv1d":
             unit.transposed.add(name)
     for parent, unit in by_parent.items():
         if unit.rows and not unit.columns:
@@ -403,21 +401,21 @@ def _explicit_units(module: nn.Module, decisions: dict[str, str], tp: int) -> li
                              "column-parallel partner in the same parent, so their input would not be split")
         if not unit.rows:  # lone column layers gather their outputs: nothing downstream sees a shard
             unit.heads = None
-        unit.problem = _fused_column(module, unit)
+        unit.problem = _fused_column(reading, unit)
         units.append(unit)
     return units
 
 
-def _fused_column(module: nn.Module, unit: Unit) -> Optional[str]:
+def _fused_column(reading: ModelReading, unit: Unit) -> Optional[str]:
     """Why an explicit column/row pair outside any known family would be cut wrongly, or None: a column
     layer with more outputs than its row partner takes is a fused projection (``[q | k | v]``,
     ``[gate | up]``) whose output is split into blocks before the row layer, and a contiguous split of
     its rows would give each rank whole blocks of one kind and none of another."""
     if not unit.rows:
         return None  # gathered outputs: the whole fused tensor is put back together
-    widest = max(_dims(module, r)[0] for r in unit.rows)
+    widest = max(reading.layers[r].in_features for r in unit.rows)
     for column in unit.columns:
-        width = _dims(module, column)[1]
+        width = reading.layers[column].out_features
         if width > widest:
             return (f"{column} has {width} outputs but {', '.join(unit.rows)} take(s) {widest} inputs: a fused "
                     "projection (e.g. [q | k | v] or [gate | up]) that a contiguous split would cut across its blocks, "
@@ -426,74 +424,79 @@ def _fused_column(module: nn.Module, unit: Unit) -> Optional[str]:
     return None
 
 
-def _dims(module: nn.Module, name: str) -> tuple[int, int]:
-    child = module.get_submodule(name)
-    return (child.nx, child.nf) if is_conv1d(child) else (child.in_features, child.out_features)
-
-
 def build_plan(module: nn.Module, plan: Any, tp: int, sequence_parallel: bool = False, allow_replicated: bool = False,
                unsplit_ok: Sequence[str] = ()) -> TensorParallelPlan:
-    """The checked plan of ``module`` at TP size ``tp`` for ``plan`` (``"auto"`` or any form
-    :meth:`TensorParallelPlan.parse` takes); changes nothing. Raises ValueError naming the entries or module paths
-    and the reason (see the module docstring); ``unsplit_ok``: globs of attentions ``plan="auto"`` may leave whole
-    (:mod:`~lightning_amp.parallel.reading.unsplit`)."""
+    """The checked plan of ``module`` at TP size ``tp`` for ``plan``: :func:`check_plan` of its
+    :func:`~lightning_amp.parallel.reading.model_reading.read_model`; changes nothing."""
+    return check_plan(read_model(module, tp), plan, sequence_parallel, allow_replicated, unsplit_ok)
+
+
+def check_plan(reading: ModelReading, plan: Any, sequence_parallel: bool = False, allow_replicated: bool = False,
+               unsplit_ok: Sequence[str] = ()) -> TensorParallelPlan:
+    """The checked plan of the model ``reading`` read, at its TP size, for ``plan`` (``"auto"`` or any form
+    :meth:`TensorParallelPlan.parse` takes). Raises ValueError naming the entries or module paths and the reason (see
+    the module docstring); ``unsplit_ok``: globs of attentions ``plan="auto"`` may leave whole
+    (:mod:`~lightning_amp.parallel.reading.unsplit`). Decided on ``reading`` alone, but for the data flow between an
+    explicit plan's own column and row layers, read from the model last."""
     given = None if plan == "auto" else TensorParallelPlan.parse(plan)
     unsplit_ok = validate_unsplit_ok(unsplit_ok)
-    problems = [f"unsplit_ok: {glob!r} matches no module of {type(module).__name__}"
-                for glob in unmatched_globs(module, unsplit_ok)]
+    tp, layers = reading.tp, reading.layers
+    problems = [f"unsplit_ok: {glob!r} matches no module of {reading.model_name}"
+                for glob in unsplit_ok if not any(fnmatch.fnmatchcase(name, glob) for name in layers)]
     if given is None:
-        found = auto_units(module, tp)
-        units, whole = found.units, found.whole
+        units, whole = list(reading.units), dict(reading.whole)
         if tp > 1:
             units = _accept_unsplit(units, whole, unsplit_ok)
             if units or not allow_replicated:  # allow_replicated with nothing split: every layer whole on purpose
-                problems += unsplit_problems(module, whole, tp, unsplit_ok)
+                problems += _unsplit_problems(reading, whole, unsplit_ok)
     else:
-        units = _explicit_units(module, _explicit_decisions(module, given), tp)
+        units = _explicit_units(reading, _explicit_decisions(reading, given))
         planned = {m for u in units for m in u.members}
         reasons = given.whole
-        whole = {name: reasons.get(name) or "not named by the plan" for name, m in module.named_modules()
-                 if is_projection(m) and name not in planned}
+        whole = {name: reasons.get(name) or "not named by the plan" for name, layer in layers.items()
+                 if layer.kind in ("linear", "conv1d") and name not in planned}
     for unit in units:
         if unit.problem:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {unit.problem}")
             continue
         sizes = list(unit.divisible)
-        sizes += [(f"{c}.out_features", _dims(module, c)[1] // unit.chunks.get(c, 1)) for c in unit.columns
+        sizes += [(f"{c}.out_features", layers[c].out_features // unit.chunks.get(c, 1)) for c in unit.columns
                   if c not in unit.qkv_heads and c not in unit.replicated_heads]
-        sizes += [(f"{r}.in_features", _dims(module, r)[0]) for r in unit.rows]
+        sizes += [(f"{r}.in_features", layers[r].in_features) for r in unit.rows]
         bad = [f"{what}={value}" for what, value in sizes if value < tp or value % tp]
         if bad:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {'; '.join(bad)} not divisible by "
                             f"tensor_parallel_size={tp}")
-        problems += [f"{c} ({unit.family}): {heads.problem(tp)}" for c, heads in unit.qkv_heads.items() if heads.problem(tp)]
-        problem = _between(module, unit)
-        if problem:
-            problems.append(f"{', '.join(unit.members)} ({unit.family}): {problem}")
         if sequence_parallel and (unit.chunks or unit.transposed or len({n.rpartition('.')[0] for n in unit.columns + unit.rows}) > 1):
             problems.append(f"{', '.join(unit.members)} ({unit.family}): sequence_parallel=True is supported for "
                             "nn.MultiheadAttention and for column/row layers in one parent module only")
-    if problems:
-        raise ValueError("tp_fused: the plan cannot be applied (nothing was changed):\n  " + "\n  ".join(problems)
-                         + "\nChoose a tensor_parallel_size that divides them, pass plan={'glob': 'column'|'row'|"
-                         "'replicate'} to pick the layers to split, or unsplit_ok=['glob.of.attention'] to keep an "
-                         "attention whole on every rank on purpose.")
+    _refuse(problems)
     if not units and tp > 1 and not allow_replicated:
         raise ValueError(
-            f"tp_fused: no layer of {type(module).__name__} can be split across {tp} ranks (no nn.MultiheadAttention, "
+            f"tp_fused: no layer of {reading.model_name} can be split across {tp} ranks (no nn.MultiheadAttention, "
             "attention product between its projections or column -> elementwise -> row MLP found); every rank would train "
             "the whole model. Pass plan={'glob.of.names': 'column'|'row'} to choose layers, or "
             "TensorParallelStrategy(allow_replicated=True) to train replicated on purpose."
             + "".join(f"\n  {name}: {why}" for name, why in list(whole.items())[:8]))
     result = TensorParallelPlan.from_units(units, whole, tp)
     if given is not None:
-        _confirm(module, given, result)
+        _confirm(reading, given, result)
+        _refuse([f"{', '.join(u.members)} ({u.family}): {problem}" for u in units if u.family == "explicit"
+                 and (problem := _explicit_flow(reading, u))])
     return result
 
 
-def _confirm(module: nn.Module, given: TensorParallelPlan, found: TensorParallelPlan) -> None:
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise ValueError("tp_fused: the plan cannot be applied (nothing was changed):\n  " + "\n  ".join(problems)
+                         + "\nChoose a tensor_parallel_size that divides them, pass plan={'glob': 'column'|'row'|"
+                         "'replicate'} to pick the layers to split, or unsplit_ok=['glob.of.attention'] to keep an "
+                         "attention whole on every rank on purpose.")
+
+
+def _confirm(reading: ModelReading, given: TensorParallelPlan, found: TensorParallelPlan) -> None:
     """ValueError naming the entry when a field it states (a style, a layout, heads, per-rank values) differs from
-    what the reading of ``module`` finds for a layer it matches."""
+    what the reading of the model finds for a layer it matches."""
     for pattern, style in given.items():
         stated = {k: v for k, v in style.to_dict().items() if k != "reason"}
         if style.style == "replicate" or style.bare():
@@ -503,10 +506,17 @@ def _confirm(module: nn.Module, given: TensorParallelPlan, found: TensorParallel
             differ = {k: v for k, v in stated.items() if read.get(k, _DEFAULTS[k]) != v}
             if differ:
                 raise ValueError(
-                    f"plan entry {pattern!r}: the plan states {differ}, reading {type(module).__name__} finds "
+                    f"plan entry {pattern!r}: the plan states {differ}, reading {reading.model_name} finds "
                     f"{ {k: read.get(k, _DEFAULTS[k]) for k in differ} }: a layout the reading cannot confirm (per-rank "
                     "values hold for the tensor_parallel_size the plan was read at). Give the layer's style alone "
                     "('column' | 'row') to take the layout the reading finds, or leave it out of the plan")
+
+
+def accepted(path: str, unsplit_ok: Sequence[str]) -> Optional[str]:
+    """The first glob of ``unsplit_ok`` that matches ``path`` or a module above it, or None."""
+    parts = path.split(".")
+    prefixes = [".".join(parts[:end]) for end in range(len(parts), 0, -1)]
+    return next((glob for glob in unsplit_ok if any(fnmatch.fnmatchcase(p, glob) for p in prefixes)), None)
 
 
 def _accept_unsplit(units: list[Unit], whole: dict[str, str], unsplit_ok: Sequence[str]) -> list[Unit]:
@@ -522,18 +532,34 @@ def _accept_unsplit(units: list[Unit], whole: dict[str, str], unsplit_ok: Sequen
     return kept
 
 
-#: families whose column -> row data flow is not fixed by the family's own code and must be checked
-_FREE_FLOW = {"named MLP": True, "explicit": False}  # family -> trace the parent's forward with torch.fx
+def _unsplit_problems(reading: ModelReading, whole: dict[str, str], unsplit_ok: Sequence[str]) -> list[str]:
+    """One line per attention module with a projection in ``whole`` (path -> why it is left whole) that no glob of
+    ``unsplit_ok`` accepts; the accepted ones get their reason in ``whole`` (updated in place)."""
+    owners: dict[str, list[str]] = {}
+    for path in whole:
+        if path in reading.attention_of:
+            owners.setdefault(reading.attention_of[path], []).append(path)
+    problems = []
+    for owner, paths in owners.items():
+        seen = reading.whole_attentions[owner]
+        glob = accepted(owner, unsplit_ok)
+        if glob is not None:
+            for path in paths:
+                whole[path] = f"attention {owner} left whole as unsplit_ok={glob!r} allows: {seen.reason}"
+            continue
+        problems.append(f"{reading.model_name}: the attention {owner} ({seen.type_name}) would be left whole on every "
+                        f"rank ({', '.join(paths)}): {seen.reason}. {seen.way_out}")
+    return problems
 
 
-def _between(module: nn.Module, unit: Unit) -> Optional[str]:
-    if unit.family not in _FREE_FLOW or not unit.columns or not unit.rows:
+def _explicit_flow(reading: ModelReading, unit: Unit) -> Optional[str]:
+    """Why the data between an explicit unit's columns and rows (one parent) is not theirs to split (a norm over the
+    split features: :func:`~lightning_amp.parallel.reading.between.between_problem`, untraced), or None."""
+    parent = unit.columns[0].rpartition(".")[0] if unit.columns and unit.rows else None
+    if parent is None or any(name.rpartition(".")[0] != parent for name in unit.members):
         return None
-    parent = unit.columns[0].rpartition(".")[0]
-    if any(name.rpartition(".")[0] != parent for name in unit.columns + unit.rows):
-        return None
-    width = _dims(module, unit.columns[0])[1]
-    return between_problem(module, parent, unit.columns, unit.rows, width, trace=_FREE_FLOW[unit.family])
+    width = reading.layers[unit.columns[0]].out_features
+    return between_problem(reading.model, parent, unit.columns, unit.rows, width, trace=False)
 
 
 def validate_unsplit_ok(globs: Sequence[str]) -> tuple[str, ...]:

@@ -33,7 +33,8 @@ from lightning_amp.parallel.groups import ParallelGroups, build_groups, validate
 from lightning_amp.parallel.main_grad import MainGradBuffer, clip_grad_norm_
 from lightning_amp.parallel.convert import (PARALLEL_LAYERS, Conversion, PlanReport, convert, gathered_state_dict,
                                             load_gathered_state_dict)
-from lightning_amp.parallel.plan import TensorParallelPlan, build_plan
+from lightning_amp.parallel.plan import TensorParallelPlan, check_plan
+from lightning_amp.parallel.reading.model_reading import read_model
 
 
 class TensorParallelRuntime:
@@ -104,14 +105,15 @@ class TensorParallelRuntime:
         _broadcast_from_rank_zero(module)
 
     def apply_plan(self, module: nn.Module) -> list[Conversion]:
-        """Read and check the plan of ``module`` (:func:`~lightning_amp.parallel.plan.build_plan`, kept as :attr:`plan`),
+        """Read ``module`` once (:func:`~lightning_amp.parallel.reading.model_reading.read_model`), check the plan on that
+        reading (:func:`~lightning_amp.parallel.plan.check_plan`, kept as :attr:`plan`),
         then replace the planned layers in place by parallel ones holding this rank's slices of the existing weights
         (:func:`~lightning_amp.parallel.convert.convert`); returns the conversion table and keeps the whole
         :class:`~lightning_amp.parallel.convert.PlanReport` as :attr:`report`."""
         assert self.groups is not None, "build_groups first"
         config = self.config
-        self.plan = build_plan(module, config.plan, self.groups.tp_size, config.sequence_parallel,
-                               config.allow_replicated, config.unsplit_ok)
+        reading = read_model(module, self.groups.tp_size)
+        self.plan = check_plan(reading, config.plan, config.sequence_parallel, config.allow_replicated, config.unsplit_ok)
         self.report = convert(module, self.plan, self.groups.tp_group, config)
         self.conversions = self.report.conversions
         self.converted = True

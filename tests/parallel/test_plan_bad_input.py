@@ -122,9 +122,9 @@ def test_litgpt_head_counts_that_can_be_neither_split_nor_replicated_are_refused
         return litgpt.GPT(litgpt.Config(n_layer=1, n_embd=48, vocab_size=64, padding_multiple=64, block_size=8, **kw))
 
     message = _refused(gpt(n_head=6, n_query_groups=3), "auto")
-    assert "transformer.h.0.attn.qkv (litgpt attention): n_query_groups=3 neither divisible by tensor_parallel_size=2 nor dividing it" in message
+    assert "transformer.h.0.attn.qkv, transformer.h.0.attn.proj (litgpt attention): n_query_groups=3 neither divisible by tensor_parallel_size=2 nor dividing it" in message
     message = _refused(gpt(n_head=3), "auto", tp=2)
-    assert "transformer.h.0.attn.qkv (litgpt attention): n_head=3 not divisible by tensor_parallel_size=2" in message
+    assert "transformer.h.0.attn.qkv, transformer.h.0.attn.proj (litgpt attention): n_head=3 not divisible by tensor_parallel_size=2" in message
     # the same model at TP=2: the one key/value head replicated, both units accepted, the MLP traced by fx (no
     # structure-only fallback warning)
     with warnings.catch_warnings():

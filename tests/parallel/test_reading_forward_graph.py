@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_amp.parallel.reading.forward_graph import products
+from lightning_amp.parallel.reading.dataflow import products
 from lightning_amp.parallel.reading.forward_graph import read_forward, tags_of
 
 

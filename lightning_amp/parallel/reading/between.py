@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_amp.parallel.reading.forward_graph import _elementwise
+from lightning_amp.parallel.reading.dataflow import _elementwise
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm)
 _NORM_FUNCTIONS = frozenset({F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm})  # (x, normalized_shape, ...)

@@ -23,20 +23,12 @@ compute (:mod:`~lightning_amp.parallel.reading.structure`). Three things go beyo
 :class:`ForwardUnreadable` says why a forward cannot be read (fx's own reason).
 
 **The layers and ops a reading knows**: projections, the layers a plan splits (``nn.Linear`` and ``transformers``'
-``Conv1D``: :func:`is_projection`, :func:`widths_of`), and ops that act elementwise (:data:`ELEMENTWISE` modules,
-functions and tensor methods), which a column layer's shard may pass through.
+``Conv1D``: :func:`is_projection`, :func:`widths_of`; every module of a model as a plan sees it: :func:`layer_table`). The graph it makes, the ops that act elementwise and
+the walks along its data are :mod:`~lightning_amp.parallel.reading.dataflow`'s.
 
-**Walks along the data** of a :class:`ForwardGraph` (:func:`sources`, :func:`data_inputs`, :func:`data_users`,
-:func:`reach`): which projections a value is computed from, where a projection's output goes, and the attention
-products of a forward (:func:`products`). Shapes, sizes and dtypes read off a tensor (``x.shape[:-1]`` for a reshape)
-are not its data: the walks do not follow them, so a reshape that reads the query's shape does not make the key
-depend on the query.
-
-**Heads folded into the batch**: attention products ``bias.baddbmm(q, k^T)`` and ``bmm`` on ``[batch * heads,
-sequence, head_size]`` (BLOOM) are products too. The first input is read with ``batch = 2`` (:data:`READ_BATCH`): a
-product input of 4 or more dimensions holds its heads in its third-to-last one; a 3-dimensional one ``[batch * heads,
-...]`` holds ``heads = dim 0 / batch`` (one head when nothing was folded: ``[batch, sequence, head_size]``)
-(:func:`heads_at`).
+The walks along a graph's data (which projections a value comes from, the attention products, where a projection's
+output goes) are :mod:`~lightning_amp.parallel.reading.dataflow`'s. The first input is read with ``batch = 2``
+(:data:`READ_BATCH`), so heads folded into the batch can be told apart there.
 """
 from __future__ import annotations
 
@@ -54,6 +46,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.fx.proxy import Attribute, Proxy, TraceError
+
+from lightning_amp.parallel.reading.dataflow import _UNKNOWN, READ_BATCH, ForwardGraph
 
 
 # ------------------------------------------------------------------- the layers and ops a reading knows
@@ -77,41 +71,48 @@ def widths_of(module: nn.Module) -> tuple[int, int]:
     return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
 
 
-#: modules that act elementwise (a column layer's shard may pass through them)
-ELEMENTWISE = (
-    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Softplus,
-    nn.Hardswish, nn.Identity, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardtanh,
-)
-_ELEMENTWISE_FUNCTIONS = frozenset({
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.exp, torch.erf, torch.tanh,
-    torch.sigmoid, torch.relu, torch.clamp, torch.sqrt, torch.abs,
-    F.relu, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.relu6, F.hardswish, F.hardtanh,
-    F.softplus, F.sigmoid, F.tanh, F.dropout,
-})
-_ELEMENTWISE_METHODS = frozenset({
-    "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "relu", "clamp", "sqrt", "abs",
-    "float", "half", "bfloat16", "to", "type", "type_as", "contiguous",
-})
+@dataclass(frozen=True)
+class Layer:
+    """A module as a plan entry sees it: its class name and kind ("linear" | "conv1d": ``transformers``' ``Conv1D``,
+    weight ``[in, out]`` | "attention": ``nn.MultiheadAttention`` | "other"), and for a projection its input and
+    output features."""
+
+    type_name: str
+    kind: str
+    in_features: int = 0
+    out_features: int = 0
+
+    @property
+    def splits(self) -> bool:
+        """Whether tp_fused can split it (a projection or an ``nn.MultiheadAttention``)."""
+        return self.kind != "other"
+
+    @property
+    def projection(self) -> bool:
+        return self.kind in ("linear", "conv1d")
 
 
-def _elementwise(owner: nn.Module, node) -> bool:
-    if node.op == "call_module":
-        return isinstance(owner.get_submodule(node.target), ELEMENTWISE)
-    if node.op == "call_function":
-        return node.target in _ELEMENTWISE_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in _ELEMENTWISE_METHODS
-    return False
+def layer_table(module: nn.Module) -> dict[str, Layer]:
+    """Every module under ``module`` (not itself) by path, in ``named_modules()`` order, as a :class:`Layer`."""
+    table = {}
+    for path, sub in module.named_modules():
+        if not path:
+            continue
+        name = type(sub).__name__
+        if isinstance(sub, nn.MultiheadAttention):
+            table[path] = Layer(name, "attention")
+        elif is_projection(sub):
+            table[path] = Layer(name, "conv1d" if is_conv1d(sub) else "linear", *widths_of(sub))
+        else:
+            table[path] = Layer(name, "other")
+    return table
 
 
 #: an attribute that holds an int: (module path relative to the read module, attribute names from that module);
 #: ``("blocks.0.attn", ("n_heads",))`` or, through a plain object, ``("attn", ("config", "n_head"))``
 Key = tuple[str, tuple[str, ...]]
 
-_UNKNOWN = object()
-_BATCH, _SEQ = 2, 5  # the shape given to the first input: (batch, sequence, hidden)
-READ_BATCH = _BATCH
+_BATCH, _SEQ = READ_BATCH, 5  # the shape given to the first input: (batch, sequence, hidden)
 #: what a required input is read as when the forward cannot be read without knowing its shape (``len(bias.shape)``):
 #: an additive bias broadcast over everything, as MPT's ALiBi ``position_bias`` is checked to be (3 dimensions)
 _BROADCAST_BIAS = (1, 1, 1)
@@ -162,32 +163,6 @@ def tags_of(value: Any) -> frozenset:
     if isinstance(value, slice):
         return tags_of([value.start, value.stop, value.step])
     return frozenset()
-
-
-@dataclass
-class ForwardGraph:
-    """The fx graph of one forward with what was known about each node (:meth:`value`)."""
-
-    module: nn.Module
-    graph: fx.Graph
-    values: dict = field(default_factory=dict)  # node -> meta value
-    errors: dict = field(default_factory=dict)  # node -> the exception of an op whose inputs were all known
-
-    def value(self, node: fx.Node) -> Any:
-        """The node's value on meta tensors (a tensor, a shape, an int...), or None when unknown."""
-        value = self.values.get(node, _UNKNOWN)
-        return None if value is _UNKNOWN else value
-
-    def shape(self, node: fx.Node) -> Optional[tuple[int, ...]]:
-        value = self.value(node)
-        return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-    def layer(self, node: fx.Node) -> Optional[nn.Module]:
-        """The projection (Linear/Conv1D) a ``call_module`` node calls, or None."""
-        if node.op != "call_module":
-            return None
-        module = self.module.get_submodule(node.target)
-        return module if is_projection(module) else None
 
 
 class _ShapeProxy(Proxy):
@@ -520,130 +495,8 @@ def read_forward(module: nn.Module, hidden: Optional[int] = None, *, widths: Map
             first_error = first_error or error
             continue
         _WORKED[memo] = attempt
-        return ForwardGraph(root, graph, tracer.values, tracer.errors)
+        layers = {n: m for n in graph.nodes if n.op == "call_module"
+                  and is_projection(m := root.get_submodule(n.target))}
+        return ForwardGraph(root, graph, tracer.values, tracer.errors, layers)
     reason = (str(first_error).strip().splitlines() or [""])[0][:200]
     raise ForwardUnreadable(f"{type(first_error).__name__}: {reason}")
-
-
-# ------------------------------------------------------------------------------------------- walks along the data
-
-_SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax, "softmax"})
-_MATMUL = frozenset({torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm", torch.Tensor.matmul})
-#: ops that may lie between the attention scores and the softmax, and between the softmax and the product with v
-_SCORE_OPS = frozenset({"masked_fill", "masked_fill_", "float", "to", "type_as", "type", "half", "bfloat16",
-                        F.dropout, torch.where, torch.masked_fill})
-#: ``bias.baddbmm(q, k^T)``: scores with an additive bias (BLOOM's ALiBi), heads folded into the batch
-_BADDBMM = frozenset({torch.baddbmm, "baddbmm"})
-
-
-def reach(nodes: Iterable[fx.Node], step, stop=lambda node: False) -> set:
-    """Every node reached from ``nodes`` by ``step`` (``users`` or ``all_input_nodes``), not going past ``stop``."""
-    seen, todo = set(), [m for n in nodes for m in step(n)]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if not stop(node):
-            todo.extend(step(node))
-    return seen
-
-
-def _calls(node: fx.Node, targets: frozenset) -> bool:
-    return node.op in ("call_function", "call_method") and node.target in targets
-
-
-def _score_op(fg: ForwardGraph, node: fx.Node) -> bool:
-    return _calls(node, _SCORE_OPS) or unfolds_scores(fg, node) or (
-        node.op in ("call_function", "call_method", "call_module") and _elementwise(fg.module, node))
-
-
-_SHAPE_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout"})
-
-
-def carries_data(fg: ForwardGraph, node: fx.Node) -> bool:
-    """Whether ``node`` is a tensor (or holds tensors), not a shape, size or dtype read off one: a reshape's sizes
-    do not carry the values of the tensor they were read from."""
-    value = fg.value(node)
-    if value is not None:
-        return isinstance(value, torch.Tensor) or (isinstance(value, (tuple, list)) and
-                                                   any(isinstance(v, torch.Tensor) for v in value))
-    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
-        return node.args[1] not in _SHAPE_ATTRS
-    return not (node.op == "call_method" and node.target in ("size", "dim", "numel"))
-
-
-def data_inputs(fg: ForwardGraph, node: fx.Node) -> list:
-    return [n for n in node.all_input_nodes if carries_data(fg, n)]
-
-
-def data_users(fg: ForwardGraph, node: fx.Node) -> list:
-    return [n for n in node.users if carries_data(fg, n)]
-
-
-def sources(fg: ForwardGraph, node: fx.Node) -> set:
-    """The projection nodes ``node`` is computed from (along the data, through anything but other projections)."""
-    seen = reach([node], lambda n: data_inputs(fg, n), stop=lambda n: fg.layer(n) is not None) | {node}
-    return {n for n in seen if fg.layer(n) is not None}
-
-
-def products(fg: ForwardGraph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
-    """(query, key, value, result) of every attention product: ``F.scaled_dot_product_attention`` or
-    ``softmax(q @ k^T ...) @ v`` (scaling, masking, dtype casts and dropout around the softmax)."""
-    found = []
-    for node in fg.graph.nodes:
-        if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
-            args = list(node.args[:3]) + [node.kwargs.get(k) for k in ("query", "key", "value")][len(node.args[:3]):]
-            if all(isinstance(a, fx.Node) for a in args):
-                found.append((args[0], args[1], args[2], node))
-        elif _calls(node, _SOFTMAX) and node.args and isinstance(node.args[0], fx.Node):
-            match = _softmax_product(fg, node)
-            if match is not None:
-                found.append(match)
-    return found
-
-
-def _softmax_product(fg: ForwardGraph, softmax: fx.Node):
-    scores = {n for n in reach([softmax], lambda n: data_inputs(fg, n), stop=lambda n: not _score_op(fg, n))
-              if _calls(n, _MATMUL | _BADDBMM)}
-    product = {n for n in reach([softmax], lambda n: data_users(fg, n), stop=lambda n: not _score_op(fg, n))
-               if _calls(n, _MATMUL)}
-    if len(scores) != 1 or len(product) != 1:
-        return None
-    (scores,), (product,) = scores, product
-    q, k = baddbmm_operands(scores) if _calls(scores, _BADDBMM) else scores.args[:2]
-    v = product.args[1] if len(product.args) > 1 else None
-    if not all(isinstance(a, fx.Node) for a in (q, k, v)) or v in reach([softmax], lambda n: n.users):
-        return None
-    return q, k, v, product
-
-
-# ------------------------------------------------------------------------------------ heads folded into the batch
-
-_UNFOLD = frozenset({"view", "reshape", torch.reshape})
-
-
-def heads_at(shape: tuple[int, ...]) -> int:
-    """The head count a product input of ``shape`` (read with the reading's batch) holds (see the module docstring)."""
-    return shape[-3] if len(shape) >= 4 else shape[0] // READ_BATCH
-
-
-def folded(shape: tuple[int, ...]) -> bool:
-    return len(shape) == 3
-
-
-def baddbmm_operands(node: fx.Node) -> tuple:
-    """(batch1, batch2) of ``torch.baddbmm(input, batch1, batch2)`` or ``input.baddbmm(batch1, batch2)``."""
-    args = list(node.args[1:3]) + [node.kwargs.get(k) for k in ("batch1", "batch2")][len(node.args[1:3]):]
-    return args[0], args[1]
-
-
-def unfolds_scores(fg: ForwardGraph, node: fx.Node) -> bool:
-    """Whether ``node`` only refolds heads and batch of attention scores (``scores.view(batch, heads, q, -1)`` and
-    back): a view or reshape that keeps the last dimension (the keys the softmax runs over) and the element count."""
-    if node.op not in ("call_function", "call_method") or node.target not in _UNFOLD or not node.args:
-        return False
-    before = fg.shape(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-    after = fg.shape(node)
-    return (before is not None and after is not None and len(before) >= 3 and len(after) >= 3
-            and before[-1] == after[-1] and before[-2] == after[-2])

@@ -20,7 +20,7 @@ from typing import Optional
 import torch.fx as fx
 import torch.nn.functional as F
 
-from lightning_amp.parallel.reading.forward_graph import READ_BATCH, ForwardGraph, data_inputs, data_users, folded, reach
+from lightning_amp.parallel.reading.dataflow import READ_BATCH, ForwardGraph, data_inputs, data_users, folded, reach
 
 _CASTS = frozenset({"to", "type_as", "float", "half", "bfloat16", "contiguous"})
 

@@ -36,9 +36,9 @@ import torch.fx as fx
 from torch import nn
 
 from lightning_amp.parallel.reading.families import Unit
-from lightning_amp.parallel.reading.forward_graph import (ForwardGraph, ForwardUnreadable, Key, _elementwise, heads_at,
-                                                          is_conv1d, is_projection, optional_inputs, products, reach,
-                                                          read_forward, sources, tags_of, widths_of)
+from lightning_amp.parallel.reading.dataflow import ForwardGraph, _elementwise, heads_at, products, reach, sources
+from lightning_amp.parallel.reading.forward_graph import (ForwardUnreadable, Key, is_conv1d, is_projection,
+                                                          optional_inputs, read_forward, tags_of, widths_of)
 from lightning_amp.parallel.reading.head_inputs import find_head_inputs
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
 

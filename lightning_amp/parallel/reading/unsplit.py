@@ -2,8 +2,8 @@
 
 An attention left whole runs whole on every rank: its weights are not divided and its work is repeated, which is
 not what ``tp_fused`` promises. So every *attention module* with a projection (``nn.Linear``, ``Conv1D``) that the
-plan leaves whole is refused by :func:`unsplit_problems`: the model, the module path, the reason read from the
-module itself (its forward cannot be read, it shows no attention product, or its heads cannot be split: not the
+plan leaves whole is refused (:func:`~lightning_amp.parallel.plan.build_plan`, from what :func:`whole_attentions`
+reads here): the model, the module path, the reason read from the module itself (its forward cannot be read, it shows no attention product, or its heads cannot be split: not the
 reason of an outer module, which misleads), and what to pass instead: the ``plan=`` naming its projections, or, for
 a fused projection no plan can split contiguously, ``unsplit_ok=[glob]`` to keep it whole on purpose.
 
@@ -13,15 +13,15 @@ outside every attention module (a vocabulary head) is left whole with its reason
 """
 from __future__ import annotations
 
-import fnmatch
 import re
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from torch import nn
 
 from lightning_amp.parallel.reading.families import HEAD_ATTRS
-from lightning_amp.parallel.reading.forward_graph import (ForwardUnreadable, is_projection, products, read_forward,
-                                                          sources, widths_of)
+from lightning_amp.parallel.reading.dataflow import products, sources
+from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, is_projection, read_forward, widths_of
 from lightning_amp.parallel.reading.heads import attention_unit
 
 _HEAD_COUNTS = HEAD_ATTRS + ("head_dim", "head_size", "num_kv_heads", "n_local_heads", "attention_head_size")
@@ -52,37 +52,24 @@ def glob_of(path: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in path.split("."))
 
 
-def accepted(path: str, unsplit_ok: Sequence[str]) -> Optional[str]:
-    """The first glob of ``unsplit_ok`` that matches ``path`` or a module above it, or None."""
-    parts = path.split(".")
-    prefixes = [".".join(parts[:end]) for end in range(len(parts), 0, -1)]
-    return next((glob for glob in unsplit_ok if any(fnmatch.fnmatchcase(p, glob) for p in prefixes)), None)
+@dataclass(frozen=True)
+class WholeAttention:
+    """An attention module ``plan="auto"`` would leave whole: its class name, why reading it alone does not split it
+    (:func:`why_not_split`), and what to pass instead (the ``plan=`` naming its projections, or ``unsplit_ok=``)."""
+
+    type_name: str
+    reason: str
+    way_out: str
 
 
-def unmatched_globs(model: nn.Module, unsplit_ok: Sequence[str]) -> list[str]:
-    names = [name for name, _ in model.named_modules() if name]
-    return [glob for glob in unsplit_ok if not any(fnmatch.fnmatchcase(name, glob) for name in names)]
-
-
-def unsplit_problems(model: nn.Module, whole: dict[str, str], tp: int, unsplit_ok: Sequence[str]) -> list[str]:
-    """One line per attention module of ``model`` with a projection in ``whole`` (path -> why it is left whole) that
-    no glob of ``unsplit_ok`` accepts; the accepted ones get their reason in ``whole`` (updated in place)."""
-    owners: dict[str, list[str]] = {}
-    for path in whole:
-        owner = _owner(model, path)
-        if owner is not None:
-            owners.setdefault(owner, []).append(path)
-    problems = []
-    for owner, layers in owners.items():
-        reason = why_not_split(model, owner, tp)
-        glob = accepted(owner, unsplit_ok)
-        if glob is not None:
-            for layer in layers:
-                whole[layer] = f"attention {owner} left whole as unsplit_ok={glob!r} allows: {reason}"
-            continue
-        problems.append(f"{type(model).__name__}: the attention {owner} ({type(model.get_submodule(owner)).__name__}) "
-                        f"would be left whole on every rank ({', '.join(layers)}): {reason}. {_way_out(model, owner)}")
-    return problems
+def whole_attentions(model: nn.Module, paths: Sequence[str], tp: int) -> tuple[dict[str, str], dict[str, WholeAttention]]:
+    """For the projections ``paths`` of ``model``: the attention module each lies in (those in one), and per such
+    attention module what reading it alone at TP size ``tp`` shows."""
+    attention_of = {path: owner for path in paths if (owner := _owner(model, path)) is not None}
+    ways_out = {owner: _way_out(model, owner) for owner in attention_of.values()}
+    return attention_of, {owner: WholeAttention(type(model.get_submodule(owner)).__name__,
+                                                why_not_split(model, owner, tp), way_out)
+                          for owner, way_out in ways_out.items()}
 
 
 def why_not_split(model: nn.Module, path: str, tp: int) -> str:
