@@ -27,7 +27,7 @@ MOVED = {
     "lightning_amp.parallel.auto_units": "lightning_amp.parallel.reading.model_reading",  # the model read once
     # the layers and ops a reading knows, and the walks along its data, beside the graph they read
     "lightning_amp.parallel.data_flow": "lightning_amp.parallel.reading.dataflow",
-    "lightning_amp.parallel.projections": "lightning_amp.parallel.reading.forward_graph",
+    "lightning_amp.parallel.projections": "lightning_amp.parallel.reading.projections",
     "lightning_amp.parallel.replicated_heads": "lightning_amp.parallel.fused_qkv",  # key/value heads kept whole: one home
     "lightning_amp.parallel.report": "lightning_amp.parallel.convert",
     "lightning_amp.parallel.shared_input": "lightning_amp.parallel.comm",

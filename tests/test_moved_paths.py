@@ -13,7 +13,7 @@ from lightning_amp._moved import MOVED
 from lightning_amp.amp.ladder import rules as ladder_rules, snapshot as ladder_snapshot
 from lightning_amp.amp.o2 import policy as o2_policy
 from lightning_amp.parallel import comm, convert, fused_qkv
-from lightning_amp.parallel.reading import between, dataflow, families, forward_graph, heads, model_reading, qkv_heads, structure, unsplit
+from lightning_amp.parallel.reading import between, dataflow, families, forward_graph, heads, model_reading, projections, qkv_heads, structure, unsplit
 from lightning_amp.trainer import precision as trainer_precision, strategy as trainer_strategy
 
 
@@ -33,7 +33,7 @@ OLD_PATHS = {
     "lightning_amp.parallel.families": (families, ("Unit", "find_units", "HEAD_ATTRS")),
     "lightning_amp.parallel.forward_graph": (forward_graph, ("read_forward", "ForwardGraph")),
     "lightning_amp.parallel.heads": (heads, ("AttentionShape", "attention_unit")),
-    "lightning_amp.parallel.projections": (forward_graph, ("is_projection", "is_conv1d", "widths_of")),
+    "lightning_amp.parallel.projections": (projections, ("is_projection", "is_conv1d", "widths_of")),
     "lightning_amp.parallel.qkv_heads": (qkv_heads, ("QKVHeads",)),
     "lightning_amp.parallel.structure": (structure, ("find_structural_units",)),
     "lightning_amp.parallel.unsplit": (unsplit, ("whole_attentions", "why_not_split")),

@@ -40,7 +40,7 @@ from torch import nn
 
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
 from lightning_amp.parallel.reading.dataflow import ELEMENTWISE
-from lightning_amp.parallel.reading.forward_graph import is_conv1d  # noqa: F401 (is_conv1d re-exported)
+from lightning_amp.parallel.reading.projections import is_conv1d
 
 #: head-count attributes divided by the TP size on a split attention module (when present as ints)
 HEAD_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head", "num_key_value_heads", "n_kv_heads",

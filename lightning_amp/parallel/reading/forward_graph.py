@@ -22,9 +22,8 @@ compute (:mod:`~lightning_amp.parallel.reading.structure`). Three things go beyo
 ``forward`` methods wrapped by decorators (``functools.wraps``, as ``transformers`` does) are read unwrapped.
 :class:`ForwardUnreadable` says why a forward cannot be read (fx's own reason).
 
-**The layers and ops a reading knows**: projections, the layers a plan splits (``nn.Linear`` and ``transformers``'
-``Conv1D``: :func:`is_projection`, :func:`widths_of`; every module of a model as a plan sees it: :func:`layer_table`). The graph it makes, the ops that act elementwise and
-the walks along its data are :mod:`~lightning_amp.parallel.reading.dataflow`'s.
+The projections it keeps as single nodes are :mod:`~lightning_amp.parallel.reading.projections`'; the graph it makes,
+the ops that act elementwise and the walks along its data are :mod:`~lightning_amp.parallel.reading.dataflow`'s.
 
 The walks along a graph's data (which projections a value comes from, the attention products, where a projection's
 output goes) are :mod:`~lightning_amp.parallel.reading.dataflow`'s. The first input is read with ``batch = 2``
@@ -48,65 +47,7 @@ from torch import nn
 from torch.fx.proxy import Attribute, Proxy, TraceError
 
 from lightning_amp.parallel.reading.dataflow import _UNKNOWN, READ_BATCH, ForwardGraph
-
-
-# ------------------------------------------------------------------- the layers and ops a reading knows
-
-def is_conv1d(module: nn.Module) -> bool:
-    """``transformers``' ``Conv1D``: a Linear storing its weight as ``[in, out]`` (``nx``, ``nf``). Reads the module's
-    dicts, not ``getattr``, which ``torch.fx`` replaces while it traces."""
-    if type(module).__name__ != "Conv1D":
-        return False
-    weight = module._parameters.get("weight")
-    return isinstance(vars(module).get("nf"), int) and weight is not None and tuple(weight.shape) == (module.nx, module.nf)
-
-
-def is_projection(module: nn.Module) -> bool:
-    """A layer the plan can split: ``nn.Linear`` or ``Conv1D``."""
-    return isinstance(module, nn.Linear) or is_conv1d(module)
-
-
-def widths_of(module: nn.Module) -> tuple[int, int]:
-    """(in, out) features of a projection."""
-    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
-
-
-@dataclass(frozen=True)
-class Layer:
-    """A module as a plan entry sees it: its class name and kind ("linear" | "conv1d": ``transformers``' ``Conv1D``,
-    weight ``[in, out]`` | "attention": ``nn.MultiheadAttention`` | "other"), and for a projection its input and
-    output features."""
-
-    type_name: str
-    kind: str
-    in_features: int = 0
-    out_features: int = 0
-
-    @property
-    def splits(self) -> bool:
-        """Whether tp_fused can split it (a projection or an ``nn.MultiheadAttention``)."""
-        return self.kind != "other"
-
-    @property
-    def projection(self) -> bool:
-        return self.kind in ("linear", "conv1d")
-
-
-def layer_table(module: nn.Module) -> dict[str, Layer]:
-    """Every module under ``module`` (not itself) by path, in ``named_modules()`` order, as a :class:`Layer`."""
-    table = {}
-    for path, sub in module.named_modules():
-        if not path:
-            continue
-        name = type(sub).__name__
-        if isinstance(sub, nn.MultiheadAttention):
-            table[path] = Layer(name, "attention")
-        elif is_projection(sub):
-            table[path] = Layer(name, "conv1d" if is_conv1d(sub) else "linear", *widths_of(sub))
-        else:
-            table[path] = Layer(name, "other")
-    return table
-
+from lightning_amp.parallel.reading.projections import is_projection, widths_of
 
 #: an attribute that holds an int: (module path relative to the read module, attribute names from that module);
 #: ``("blocks.0.attn", ("n_heads",))`` or, through a plain object, ``("attn", ("config", "n_head"))``

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -37,8 +37,8 @@ from torch import nn
 
 from lightning_amp.parallel.reading.families import Unit
 from lightning_amp.parallel.reading.dataflow import ForwardGraph, _elementwise, heads_at, products, reach, sources
-from lightning_amp.parallel.reading.forward_graph import (ForwardUnreadable, Key, is_conv1d, is_projection,
-                                                          optional_inputs, read_forward, tags_of, widths_of)
+from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, Key, optional_inputs, read_forward, tags_of
+from lightning_amp.parallel.reading.projections import Layer, is_projection, widths_of
 from lightning_amp.parallel.reading.head_inputs import find_head_inputs
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
 
@@ -114,16 +114,18 @@ class _Outcome:
     head_inputs: tuple = ()
 
 
-def attention_unit(model: nn.Module, members: list[str], out: str, tp: int, cache: Optional[dict] = None) -> Unit:
+def attention_unit(model: nn.Module, members: list[str], out: str, tp: int, layers: Mapping[str, Layer],
+                   cache: Optional[dict] = None) -> Unit:
     """The unit of an attention whose projections are ``members`` (q, k, v or one fused) and ``out`` (module paths
-    in ``model``), with its heads, layout and attribute values at TP size ``tp``, or its ``problem``. ``cache``: a
+    in ``model``), with its heads, layout and attribute values at TP size ``tp``, or its ``problem``. ``layers``: the
+    model's :func:`~lightning_amp.parallel.reading.projections.layer_table`. ``cache``: a
     dict kept across the calls of one plan (the layers of a model are read once per class and attribute values)."""
     owner_path = _common_owner(members + [out])
     owner = model.get_submodule(owner_path) if owner_path else model
     local = [m[len(owner_path) + 1:] if owner_path else m for m in members]
     out_local = out[len(owner_path) + 1:] if owner_path else out
     unit = Unit("attention", list(members), [out], found_by="structure")
-    unit.transposed = {p for p in members + [out] if is_conv1d(model.get_submodule(p))}
+    unit.transposed = {p for p in members + [out] if layers[p].kind == "conv1d"}
     outcome = _cached(owner, local, out_local, tp, {} if cache is None else cache)
     where = owner_path or type(model).__name__
     shape = unit.attention_shape = outcome.shape

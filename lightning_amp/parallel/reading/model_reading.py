@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_amp.parallel.reading.between import between_problem
 from lightning_amp.parallel.reading.families import FALLBACK_MATCHERS, Unit, find_units
-from lightning_amp.parallel.reading.forward_graph import Layer, layer_table
+from lightning_amp.parallel.reading.projections import Layer, layer_table
 from lightning_amp.parallel.reading.structure import find_structural_units
 from lightning_amp.parallel.reading.unsplit import WholeAttention, whole_attentions
 
@@ -40,7 +40,7 @@ class ModelReading:
 
     model: nn.Module = field(repr=False, compare=False)
     tp: int
-    layers: dict[str, Layer]  # every module but the model itself (forward_graph.layer_table)
+    layers: dict[str, Layer]  # every module but the model itself (projections.layer_table)
     units: list[Unit] = field(default_factory=list)
     whole: dict[str, str] = field(default_factory=dict)
     attention_of: dict[str, str] = field(default_factory=dict)  # projection path -> its attention module
@@ -77,5 +77,5 @@ def read_model(module: nn.Module, tp: int) -> ModelReading:
                 unit.problem = between_problem(module, parent, unit.columns, unit.rows,
                                                layers[unit.columns[0]].out_features)
     unsplit = list(whole) + [m for u in units if u.problem for m in u.members]
-    attention_of, attentions = whole_attentions(module, unsplit, tp)
+    attention_of, attentions = whole_attentions(module, unsplit, tp, layers)
     return ModelReading(module, tp, layers, units, whole, attention_of, attentions)

@@ -30,8 +30,9 @@ from torch import nn
 
 from lightning_amp.parallel.reading.dataflow import Flows, read_flows
 from lightning_amp.parallel.reading.families import Unit
-from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, Layer, read_forward
+from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, read_forward
 from lightning_amp.parallel.reading.heads import attention_unit
+from lightning_amp.parallel.reading.projections import Layer
 
 
 @dataclass
@@ -63,7 +64,7 @@ def _to_read(path: str, module: nn.Module, layers: Mapping[str, Layer], claimed:
 def find_structural_units(model: nn.Module, claimed: Iterable[str], tp: int, layers: Mapping[str, Layer]) -> StructuralPlan:
     """Units of the projections of ``model`` not in ``claimed`` (module paths), found by structure (see the module
     docstring); ``tp``: the tensor-parallel size their head counts must split over; ``layers``: the model's
-    :func:`~lightning_amp.parallel.reading.forward_graph.layer_table`. Modules are read parents first; a module whose
+    :func:`~lightning_amp.parallel.reading.projections.layer_table`. Modules are read parents first; a module whose
     reading leaves two or more of its projections unexplained (a branch the reading took, such as a KV cache, hid
     them) is read itself, and the reason a projection is left whole comes from the innermost reading."""
     claimed = set(claimed)
@@ -88,7 +89,7 @@ def find_structural_units(model: nn.Module, claimed: Iterable[str], tp: int, lay
         if layer.projection and path not in claimed:
             found.whole[path] = layouts.get(path) or notes.get(path) or _unread_reason(path, found.unreadable)
     cache: dict = {}  # attentions of one class and attribute values are read once
-    found.units += [attention_unit(model, members, out, tp, cache) for members, out in attentions]
+    found.units += [attention_unit(model, members, out, tp, layers, cache) for members, out in attentions]
     return found
 
 

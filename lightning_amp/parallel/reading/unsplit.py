@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from torch import nn
 
-from lightning_amp.parallel.reading.families import HEAD_ATTRS
 from lightning_amp.parallel.reading.dataflow import products, sources
-from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, is_projection, read_forward, widths_of
+from lightning_amp.parallel.reading.families import HEAD_ATTRS
+from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, read_forward
 from lightning_amp.parallel.reading.heads import attention_unit
+from lightning_amp.parallel.reading.projections import Layer, is_projection, widths_of
 
 _HEAD_COUNTS = HEAD_ATTRS + ("head_dim", "head_size", "num_kv_heads", "n_local_heads", "attention_head_size")
 _ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
@@ -62,17 +63,19 @@ class WholeAttention:
     way_out: str
 
 
-def whole_attentions(model: nn.Module, paths: Sequence[str], tp: int) -> tuple[dict[str, str], dict[str, WholeAttention]]:
-    """For the projections ``paths`` of ``model``: the attention module each lies in (those in one), and per such
-    attention module what reading it alone at TP size ``tp`` shows."""
+def whole_attentions(model: nn.Module, paths: Sequence[str], tp: int,
+                     layers: Mapping[str, Layer]) -> tuple[dict[str, str], dict[str, WholeAttention]]:
+    """For the projections ``paths`` of ``model`` (its :func:`~lightning_amp.parallel.reading.projections.layer_table`:
+    ``layers``): the attention module each lies in (those in one), and per such attention module what reading it alone
+    at TP size ``tp`` shows."""
     attention_of = {path: owner for path in paths if (owner := _owner(model, path)) is not None}
     ways_out = {owner: _way_out(model, owner) for owner in attention_of.values()}
     return attention_of, {owner: WholeAttention(type(model.get_submodule(owner)).__name__,
-                                                why_not_split(model, owner, tp), way_out)
+                                                why_not_split(model, owner, tp, layers), way_out)
                           for owner, way_out in ways_out.items()}
 
 
-def why_not_split(model: nn.Module, path: str, tp: int) -> str:
+def why_not_split(model: nn.Module, path: str, tp: int, layers: Mapping[str, Layer]) -> str:
     """What reading the attention module ``path`` alone shows: why its heads are not split at TP size ``tp``."""
     module = model.get_submodule(path)
     projections = [name for name, m in module.named_modules() if is_projection(m)]
@@ -95,7 +98,7 @@ def why_not_split(model: nn.Module, path: str, tp: int) -> str:
     outs = [f"{path}.{name}" for name in projections if f"{path}.{name}" not in members]
     if len(outs) != 1:
         return f"its query, key and value come from {members}, but no single out-projection takes their product"
-    unit = attention_unit(model, members, outs[0], tp)
+    unit = attention_unit(model, members, outs[0], tp, layers)
     return unit.problem or "its attention was read but left out of the plan"
 
 
