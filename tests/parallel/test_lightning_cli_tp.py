@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.utils.data import DataLoader
 
 from lightning_amp import TensorParallelStrategy
@@ -66,6 +67,17 @@ def test_a_yaml_config_holds_the_strategy_its_plan_and_options(tmp_path):
     assert config == TensorParallelConfig(plan=PLAN, **OPTIONS)  # every option as given; unsplit_ok kept as a tuple
     assert config.plan == TensorParallelPlan.parse(PLAN) and config.plan["output"].reason == "kept whole on purpose"
     assert (strategy._process_group_backend, strategy._start_method) == ("gloo", "spawn")
+
+
+def test_the_docs_config_parses_into_the_strategy_it_describes(tmp_path):
+    page = (Path(__file__).parents[2] / "docs" / "tensor-parallel.md").read_text()
+    block = page.split("### In a LightningCLI config", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "docs.yaml").write_text(block)
+    strategy = _cli("--config", str(tmp_path / "docs.yaml")).trainer.strategy
+    given = yaml.safe_load(block)["trainer"]["strategy"]["init_args"]
+    plan = dict(given["plan"], norm=SequenceParallel())
+    assert type(strategy) is TensorParallelStrategy
+    assert strategy.config == TensorParallelConfig(**dict(given, plan=plan)) and strategy.config.plan == TensorParallelPlan.parse(plan)
 
 
 def test_torchs_styles_are_given_by_class_path(tmp_path):
