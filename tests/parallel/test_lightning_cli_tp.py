@@ -48,8 +48,8 @@ def _cli(*args: str, run: bool = False, model=BoringModel) -> LightningCLI:
                             args=[*args] if run else ["--trainer.accelerator", "cpu", *args])
 
 
-def _config(tmp_path, strategy: dict, name: str = "config.yaml") -> str:
-    path = tmp_path / name
+def _config(tmp_path, strategy: dict) -> str:
+    path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy}}))
     return str(path)
 
