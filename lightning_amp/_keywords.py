@@ -12,9 +12,10 @@
   class's name in front of its message, unless the message names it already.
 
 The keywords a constructor takes are its named parameters, and where it has ``**kwargs`` those of the next
-constructor in the class's MRO, up to one without ``**kwargs``. So ``strategy="tp_fused"``'s keywords are its
-own and those of Lightning's ``DDPStrategy`` (``timeout``, ``start_method``, ...), but not the torch
-``DistributedDataParallel`` options ``DDPStrategy`` would pass on: tp_fused has no DDP wrapper to take them.
+constructor in the class's MRO, up to one without ``**kwargs``. (``strategy="tp_fused"`` names every keyword it
+takes, Lightning's ``DDPStrategy``'s ``timeout``, ``start_method``, ... among them, and has no ``**kwargs``: LightningCLI
+reads the signature, and would otherwise follow ``**kwargs`` to torch's ``DistributedDataParallel`` options, which
+tp_fused, with no DDP wrapper, refuses.)
 
 Imports nothing of lightning-amp, torch or Lightning (``tests/test_import_layers.py``).
 """

@@ -16,17 +16,25 @@ report is logged on rank 0 after step 2 and kept as :attr:`TensorParallelStrateg
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_amp.group_exit import destroy_group_at_exit
 from lightning_amp.parallel.already_parallel import refuse_already_parallel
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.convert import PlanReport
-from lightning_amp.parallel.plan import TensorParallelPlan
+from lightning_amp.parallel.plan import STYLES, TensorParallelPlan
 from lightning_amp.parallel.runtime import TensorParallelRuntime
+
+# The strategies' annotations of the options, as LightningCLI (jsonargparse) reads them from the signature: a YAML
+# config's plan is a mapping {module path or glob: a style name, torch's style as ``class_path:
+# torch.distributed.tensor.parallel.ColwiseParallel``, or a dict (a Style's dict form or a per-block plan)}, or
+# ``"auto"``, or a plan's JSON text; the values are then checked by TensorParallelConfig (TensorParallelPlan.parse).
+PlanOption = Union[Literal["auto"], Mapping[str, Union[Literal[STYLES], ParallelStyle, Mapping[str, Any]]], str]  # type: ignore[misc]
+SizeOption = Union[int, Literal["auto"]]
 
 
 class TensorParallelStrategyMixin:

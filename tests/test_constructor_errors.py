@@ -70,13 +70,16 @@ def test_a_keyword_close_to_none_lists_those_the_class_takes():
         lightning_amp.LadderRules(zzz=1)
 
 
-def test_tp_fused_refuses_the_ddp_wrapper_options_it_has_no_wrapper_for():
-    """Lightning's DDPStrategy hands unknown keywords to torch's DistributedDataParallel; tp_fused has none, so a
-    typo there went unnoticed. DDPStrategy's own keywords stay accepted."""
+@pytest.mark.parametrize("option", ["find_unused_parameters", "ddp_comm_hook", "model_averaging_period"])
+def test_tp_fused_refuses_the_ddp_wrapper_options_it_has_no_wrapper_for(option):
+    """Lightning's DDPStrategy hands unknown keywords to torch's DistributedDataParallel, and its comm-hook keywords
+    configure that wrapper; tp_fused has none, so they went unnoticed (ignored). DDPStrategy's keywords for the
+    processes stay accepted."""
     for cls in (lightning_amp.TensorParallelStrategy, fabric.TensorParallelStrategy):
-        with pytest.raises(TypeError, match="unexpected keyword argument 'find_unused_parameters'"):
-            cls(find_unused_parameters=True)
-        assert cls(start_method="spawn", timeout=None) is not None
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{option}'"):
+            cls(**{option: 1})
+        strategy = cls(start_method="spawn", timeout=None, process_group_backend="gloo")
+        assert (strategy._start_method, strategy._timeout, strategy._process_group_backend) == ("spawn", None, "gloo")
 
 
 @pytest.mark.parametrize("cls", PLUGINS, ids=lambda cls: cls.__name__)

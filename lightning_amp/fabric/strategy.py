@@ -31,9 +31,12 @@ TypeError when the Fabric is built.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from datetime import timedelta
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Union
 
 import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -44,7 +47,7 @@ from lightning_amp._keywords import checks_keywords
 from lightning_amp.fabric.precision import FabricAmpPrecision
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.runtime import TensorParallelRuntime
-from lightning_amp.strategy_base import TensorParallelStrategyMixin
+from lightning_amp.strategy_base import PlanOption, SizeOption, TensorParallelStrategyMixin
 from lightning_amp.unsupported import refuse_precision_under_tp_fused
 
 _USE = ("Fabric's precision='32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' or lightning_amp.fabric's "
@@ -59,25 +62,33 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
     ``sequence_parallel``, ``sequence_dim``, ``gradient_accumulation_fusion``, ``async_grad_allreduce``,
     ``plan``, ``process_group_backend``, ``bucket_numel``, ``overlap_grad_reduce``, ``allow_replicated``, ``unsplit_ok``, or
     ``config=TensorParallelConfig(...)`` instead of the options but ``process_group_backend``);
-    ``**ddp_kwargs`` go to Fabric's ``DDPStrategy`` (``start_method``, ``timeout``). Registered as
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision``, ``timeout``,
+    ``start_method`` as for Fabric's ``DDPStrategy``; its other keywords configure torch's ``DistributedDataParallel``
+    wrapper, which tp_fused has not (TypeError). Registered as
     ``"tp_fused"`` (processes started by re-running the script) and ``"tp_fused_spawn"``.
     """
 
     def __init__(
         self,
-        tensor_parallel_size: Union[int, str] = "auto",
+        tensor_parallel_size: SizeOption = "auto",
         sequence_parallel: bool = False,
         gradient_accumulation_fusion: bool = True,
         async_grad_allreduce: bool = True,
-        plan: Union[str, Mapping[str, Any]] = "auto",
+        plan: PlanOption = "auto",
         process_group_backend: Optional[str] = None,
-        sequence_dim: Optional[int] = None,
+        sequence_dim: Optional[Literal[0, 1]] = None,
         bucket_numel: int = 2**22,
         overlap_grad_reduce: bool = True,
         allow_replicated: bool = False,
         unsplit_ok: Sequence[str] = (),
         config: Optional[TensorParallelConfig] = None,
-        **ddp_kwargs: Any,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        timeout: Optional[timedelta] = timedelta(seconds=1800),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self._init_tensor_parallel(
             config, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
@@ -85,7 +96,9 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
             sequence_dim=sequence_dim, bucket_numel=bucket_numel, overlap_grad_reduce=overlap_grad_reduce,
             allow_replicated=allow_replicated, unsplit_ok=unsplit_ok,
         )
-        super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
+                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         self._backward_sync_control = _MainGradSyncControl(self.runtime)
         self._module: Optional[nn.Module] = None
         self._optimizers: List[Optimizer] = []

@@ -101,4 +101,8 @@ class TensorParallelConfig:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Equal and of one type (``True`` is not ``1``); a list and a tuple of the same items are the same (LightningCLI
+    hands a sequence's default ``()`` over as ``[]``)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
     return type(a) is type(b) and a == b

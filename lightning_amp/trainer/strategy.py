@@ -16,9 +16,13 @@ strategy (:mod:`lightning_amp.fabric.strategy`); this file maps the Trainer's ho
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Generator, Mapping, Optional, Sequence, Union
+from datetime import timedelta
+from typing import Any, Generator, Literal, Mapping, Optional, Sequence, Union
 
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -28,7 +32,7 @@ from torch.optim import Optimizer
 
 from lightning_amp._keywords import checks_keywords
 from lightning_amp.parallel.config import TensorParallelConfig
-from lightning_amp.strategy_base import TensorParallelStrategyMixin, destroy_group_at_exit  # noqa: F401
+from lightning_amp.strategy_base import PlanOption, SizeOption, TensorParallelStrategyMixin, destroy_group_at_exit  # noqa: F401
 from lightning_amp.strategy_base import conversion_report as _conversion_report  # noqa: F401 (old name)
 from lightning_amp.trainer.precision import AmpPrecision
 from lightning_amp.unsupported import refuse_precision_under_tp_fused
@@ -67,7 +71,11 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
             may leave whole on every rank; any other attention it cannot split raises ValueError at setup.
         config: a :class:`~lightning_amp.parallel.TensorParallelConfig` holding all of the options above
             but ``process_group_backend`` (then pass none of them as keywords).
-        **ddp_kwargs: passed to :class:`DDPStrategy` (e.g. ``start_method="spawn"``, ``timeout``).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, timeout, start_method:
+            as for :class:`DDPStrategy` (e.g. ``start_method="spawn"``). Its other keywords configure torch's
+            ``DistributedDataParallel`` wrapper (comm hooks, ``find_unused_parameters``, ...), which tp_fused has
+            not: they raise TypeError. Every keyword is named in the signature, so ``LightningCLI`` (jsonargparse)
+            reads the options from it (docs/tensor-parallel.md, "In a LightningCLI config").
 
     On CUDA the launcher sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (inherited by every rank) so that the
     asynchronous input-gradient all-reduce is queued before the weight-gradient GEMM and overlaps it.
@@ -81,19 +89,25 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
 
     def __init__(
         self,
-        tensor_parallel_size: Union[int, str] = "auto",
+        tensor_parallel_size: SizeOption = "auto",
         sequence_parallel: bool = False,
         gradient_accumulation_fusion: bool = True,
         async_grad_allreduce: bool = True,
-        plan: Union[str, Mapping[str, Any]] = "auto",
+        plan: PlanOption = "auto",
         process_group_backend: Optional[str] = None,
-        sequence_dim: Optional[int] = None,
+        sequence_dim: Optional[Literal[0, 1]] = None,
         bucket_numel: int = 2**22,
         overlap_grad_reduce: bool = True,
         allow_replicated: bool = False,
         unsplit_ok: Sequence[str] = (),
         config: Optional[TensorParallelConfig] = None,
-        **ddp_kwargs: Any,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        timeout: Optional[timedelta] = timedelta(seconds=1800),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self._init_tensor_parallel(
             config, tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
@@ -101,7 +115,10 @@ class TensorParallelStrategy(TensorParallelStrategyMixin, DDPStrategy):
             sequence_dim=sequence_dim, bucket_numel=bucket_numel, overlap_grad_reduce=overlap_grad_reduce,
             allow_replicated=allow_replicated, unsplit_ok=unsplit_ok,
         )
-        super().__init__(process_group_backend=process_group_backend, **ddp_kwargs)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
 
     @property
     def precision_plugin(self) -> Precision:
