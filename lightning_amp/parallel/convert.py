@@ -217,7 +217,6 @@ def _parallel_layer(child: nn.Module, name: str, unit: Unit, group: Any, extra: 
     return new, "row", f"in {new.in_features} -> {new.in_per_rank}/rank"
 
 
-
 def convert_model(module: nn.Module, group: Any = None, config: Optional[TensorParallelConfig] = None,
                   **layer_kwargs) -> PlanReport:
     """The plan of ``config.plan`` for ``module`` (:func:`~lightning_amp.parallel.plan.build_plan`: read and checked,
