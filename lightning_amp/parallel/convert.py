@@ -17,13 +17,11 @@ from typing import Any, Mapping, Optional, Union
 from torch import nn
 
 from lightning_amp.parallel.attention import ParallelMultiheadAttention
-from lightning_amp.parallel.comm import SharedInput
 from lightning_amp.parallel.config import TensorParallelConfig
 from lightning_amp.parallel.fused_qkv import ReplicatedHeadsLinear, ReplicatedKVColumnParallel, fused_qkv_parallel
 from lightning_amp.parallel.groups import group_size
 from lightning_amp.parallel.head_input_slicer import install_head_inputs
-from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_amp.parallel.main_grad import mark_sequence_parallel
+from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinear, share_input
 from lightning_amp.parallel.plan import TensorParallelPlan, build_plan
 from lightning_amp.parallel.reading.families import HEAD_ATTRS, Unit
 from lightning_amp.parallel.reading.heads import AttentionShape
@@ -97,20 +95,94 @@ class PlanReport:
 
 def _parent(module: nn.Module, name: str):
     parent_name, _, attr = name.rpartition(".")
-    return (module.get_submodule(parent_name) if parent_name else module), parent_name, attr
+    return (module.get_submodule(parent_name) if parent_name else module), attr
+
+
+def _heads_line(unit: Unit, tp: int) -> str:
+    """The unit's heads as the report prints them ("" when the plan names none)."""
+    shape = unit.attention_shape
+    if shape is None and len(unit.qkv_heads) == 1:  # litgpt's, found by names
+        (heads,) = unit.qkv_heads.values()
+        shape = AttentionShape(heads.n_head, heads.n_query_groups, heads.head_size, heads.head_size, "blocks")
+    return shape.describe(tp) if shape is not None else ""
+
+
+def _head_values(unit: Unit, tp: int) -> dict[tuple[str, tuple[str, ...]], int]:
+    """Per attribute key (owner path, attribute names) the value one rank's attention reads: the reading's
+    ``unit.head_values``, and for litgpt (``unit.head_config``) the local head counts in its ``config``."""
+    values = dict(unit.head_values)
+    if unit.head_config is not None:
+        (heads,) = (h.local(tp) for h in unit.qkv_heads.values())
+        values[(unit.head_config, ("config", "n_head"))] = heads.n_head
+        values[(unit.head_config, ("config", "n_query_groups"))] = heads.n_query_groups
+    return values
+
+
+def _set_head_values(module: nn.Module, values: dict[tuple[str, tuple[str, ...]], int]) -> dict[str, tuple[int, int]]:
+    """Give the attributes an attention's forward reads (``values``, see :func:`_head_values`) the values one rank
+    needs: a module's own attribute is set on it; a field of a plain object (a ``config``, maybe shared with the whole
+    model) is set on a per-rank shallow copy (it keeps what ``__post_init__`` derived) that every module under the
+    owners holding that object gets. Returns {attribute path: (before, after)}."""
+    changed, copies = {}, {}
+    for (path, names), value in sorted(values.items()):
+        owner = module.get_submodule(path) if path else module
+        label = ".".join([path, *names]) if path else ".".join(names)
+        if len(names) == 1:
+            changed[label] = (getattr(owner, names[0]), value)
+            setattr(owner, names[0], value)
+            continue
+        shared = getattr(owner, names[0])
+        if id(shared) not in copies:
+            copies[id(shared)] = (shared, copy.copy(shared))
+        original, private = copies[id(shared)]
+        changed[label] = (getattr(original, names[1]), value)
+        vars(private)[names[1]] = value
+    for original, private in copies.values():
+        for path in {path for path, _ in values}:
+            for sub in (module.get_submodule(path) if path else module).modules():
+                for attr, held in list(vars(sub).items()):
+                    if held is original:
+                        setattr(sub, attr, private)
+    return changed
+
+
+def _divide_head_counts(module: nn.Module, unit: Unit, tp: int) -> None:
+    """Divide the head counts (:data:`~lightning_amp.parallel.reading.families.HEAD_ATTRS`) of the module the plan
+    names as the unit's ``heads`` by ``tp`` (a unit found by names with row partners: its forward splits by them)."""
+    if unit.heads is None or not unit.rows:
+        return
+    owner = module.get_submodule(unit.heads) if unit.heads else module
+    for attr in HEAD_ATTRS:
+        value = getattr(owner, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(owner, attr, value // tp)
+
+
+def _mark_partial_grads(module: nn.Module, unit: Unit) -> None:
+    """Params used between the unit's columns and rows see this rank's heads only: their gradients are summed over
+    the TP group. The mark is the ``sequence_parallel`` attribute that
+    :class:`~lightning_amp.parallel.main_grad.MainGradBuffer` reads."""
+    for path in unit.partial_grads:
+        try:
+            params = list(module.get_submodule(path).parameters())
+        except AttributeError:  # a parameter's path
+            params = [module.get_parameter(path)]
+        for p in params:
+            p.sequence_parallel = True
 
 
 def _convert_unit(module: nn.Module, unit: Unit, group: Any, sp_kwargs: dict, linear_kwargs: dict) -> list[Conversion]:
     """Replace every layer ``unit`` plans (its ``nn.MultiheadAttention``, then its columns and rows) by the parallel
-    layer :func:`_parallel_layer` builds; returns their report rows."""
+    layer :func:`_parallel_layer` builds, and give its columns one input collective
+    (:func:`~lightning_amp.parallel.layers.share_input`); returns their report rows."""
     rows = []
-    for name in ([unit.attention] if unit.attention else []) + unit.columns + unit.rows:
-        parent, _, attr = _parent(module, name)
+    for name in unit.members:
+        parent, attr = _parent(module, name)
         child = getattr(parent, attr)
         new, kind, detail = _parallel_layer(child, name, unit, group, dict(sp_kwargs.get(name, {}), **linear_kwargs))
         setattr(parent, attr, new)
         rows.append(Conversion(name, type(child).__name__, kind, detail))
-    _share_input(module, unit, group)
+    share_input([module.get_submodule(name) for name in unit.columns], group)
     return rows
 
 
@@ -145,73 +217,6 @@ def _parallel_layer(child: nn.Module, name: str, unit: Unit, group: Any, extra: 
     return new, "row", f"in {new.in_features} -> {new.in_per_rank}/rank"
 
 
-def _share_input(module: nn.Module, unit: Unit, group: Any) -> None:
-    """Give the unit's column layers one input collective (:class:`~lightning_amp.parallel.comm.SharedInput`) when two or
-    more of them take their input alike (the same sequence-parallel mode, outputs not gathered)."""
-    columns = [module.get_submodule(name) for name in unit.columns]
-    columns = [c for c in columns if hasattr(c, "shared_input") and not getattr(c, "gather_output", False)]
-    modes = {(c.sequence_parallel, c.sequence_dim) for c in columns}
-    if len(columns) > 1 and len(modes) == 1 and group_size(group) > 1:
-        ((sequence_parallel, sequence_dim),) = modes
-        shared = SharedInput(group, sequence_parallel, sequence_dim)
-        for column in columns:
-            column.shared_input = shared
-
-
-def _set_head_values(module: nn.Module, unit: Unit) -> dict[str, tuple[int, int]]:
-    """Give the attributes a structure-found attention's forward reads the values one rank needs (see
-    :mod:`~lightning_amp.parallel.reading.heads`): a module's own attribute is set on it; a field of a plain object (a
-    ``config``, maybe shared with the whole model) is set on a per-rank copy that every module of the attention
-    holding that object gets. Returns {attribute path: (before, after)}."""
-    changed, copies = {}, {}
-    owner_paths = {path for path, _ in unit.head_values}
-    for (path, names), value in sorted(unit.head_values.items()):
-        owner = module.get_submodule(path) if path else module
-        label = ".".join([path, *names]) if path else ".".join(names)
-        if len(names) == 1:
-            changed[label] = (getattr(owner, names[0]), value)
-            setattr(owner, names[0], value)
-            continue
-        shared = getattr(owner, names[0])
-        if id(shared) not in copies:
-            copies[id(shared)] = (shared, copy.copy(shared))  # a shallow copy keeps what __post_init__ derived
-        original, private = copies[id(shared)]
-        changed[label] = (getattr(original, names[1]), value)
-        vars(private)[names[1]] = value
-    for original, private in copies.values():
-        for path in owner_paths:
-            for sub in (module.get_submodule(path) if path else module).modules():
-                for attr, held in list(vars(sub).items()):
-                    if held is original:
-                        setattr(sub, attr, private)
-    return changed
-
-
-def _mark_partial_grads(module: nn.Module, unit: Unit) -> None:
-    """Params used between the unit's columns and rows see this rank's heads only: their gradients are summed over
-    the TP group (the ``sequence_parallel`` mark :class:`~lightning_amp.parallel.main_grad.MainGradBuffer` reads)."""
-    for path in unit.partial_grads:
-        try:
-            mark_sequence_parallel(module.get_submodule(path))
-        except AttributeError:
-            module.get_parameter(path).sequence_parallel = True
-
-
-def _divide_head_attrs(module: nn.Module, unit: Unit, tp: int) -> None:
-    if unit.head_config is not None:  # litgpt: a per-rank copy of the Config the whole model shares
-        owner = module.get_submodule(unit.head_config)
-        (heads,) = (h.local(tp) for h in unit.qkv_heads.values())
-        owner.config = copy.copy(owner.config)  # a shallow copy keeps the fields __post_init__ derived (rope_n_elem)
-        owner.config.n_head, owner.config.n_query_groups = heads.n_head, heads.n_query_groups
-    if unit.heads is None or not unit.rows:
-        return
-    owner = module.get_submodule(unit.heads) if unit.heads else module
-    for attr in HEAD_ATTRS:
-        value = getattr(owner, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            setattr(owner, attr, value // tp)
-
-
 def convert_model(module: nn.Module, group: Any = None, config: Optional[TensorParallelConfig] = None,
                   **layer_kwargs) -> PlanReport:
     """The plan of ``config.plan`` for ``module`` (:func:`~lightning_amp.parallel.plan.build_plan`: read and checked,
@@ -228,8 +233,11 @@ def convert(module: nn.Module, checked: TensorParallelPlan, group: Any, config: 
             **layer_kwargs) -> PlanReport:
     """The one conversion: replace the layers of ``module`` that ``checked`` splits by this rank's parallel layers of
     ``group``, holding its slices of the existing weights. ``checked`` is a :func:`~lightning_amp.parallel.plan.build_plan`
-    of ``module`` (or of a copy: the module paths are what count), automatic or explicit alike; nothing else is read."""
-    linear_kwargs = dict(layer_kwargs, config=config)  # the layers read their options from it
+    of ``module`` (or of a copy: the module paths are what count), automatic or explicit alike; nothing else is read.
+
+    Order: what sequence parallelism needs is planned (and refused) before anything changes; then per unit the
+    attributes its attention reads take their per-rank values, its layers are replaced and its per-head inputs cut;
+    last the sequence is split at the boundaries of the runs of blocks."""
     tp = group_size(group)
     runs, sp_kwargs = [], {}
     if config.sequence_parallel:
@@ -239,13 +247,14 @@ def convert(module: nn.Module, checked: TensorParallelPlan, group: Any, config: 
             raise ValueError("sequence_parallel=True: column layers "
                              f"{[c for u in checked.units if not u.rows for c in u.columns]} have no row-parallel partner")
         runs, sp_kwargs = plan_runs(module, checked.decisions, config.sequence_dim)
+    linear_kwargs = dict(layer_kwargs, config=config)  # the layers read their options from it
     report = PlanReport(tp, whole=dict(checked.whole))
     for unit in checked.units:
         split = SplitUnit(unit.family, unit.found_by, _heads_line(unit, tp))
-        split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
-        split.attributes = _set_head_values(module, unit)
-        _divide_head_attrs(module, unit, tp)
+        split.attributes = _set_head_values(module, _head_values(unit, tp))
+        _divide_head_counts(module, unit, tp)
         _mark_partial_grads(module, unit)
+        split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
         split.heads += install_head_inputs(module, unit, group)
         report.split.append(split)
     if config.sequence_parallel:
@@ -254,14 +263,6 @@ def convert(module: nn.Module, checked: TensorParallelPlan, group: Any, config: 
                                       f"{len(run.names)} block(s), sequence dim {run.seq_dim} split between them")
                            for run in runs]
     return report
-
-
-def _heads_line(unit: Unit, tp: int) -> str:
-    shape = unit.attention_shape
-    if shape is None and len(unit.qkv_heads) == 1:  # litgpt's, found by names
-        (heads,) = unit.qkv_heads.values()
-        shape = AttentionShape(heads.n_head, heads.n_query_groups, heads.head_size, heads.head_size, "blocks")
-    return shape.describe(tp) if shape is not None else ""
 
 
 def apply_plan(

@@ -371,7 +371,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = out_features // self.tp_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        self.shared_input = None  # a SharedInput: its unit's columns take one input collective (set by the plan)
+        self.shared_input = None  # a SharedInput: its unit's columns take one input collective (share_input)
         if _full is None:
             _full = _init_full_weight(out_features, in_features, bias, device, dtype)
         self._take_full(_full[0], _full[1], True, *_layout)
@@ -413,6 +413,20 @@ class ColumnParallelLinear(_ParallelLinearBase):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} ({self.out_per_rank}/rank), "
                 f"tp={self.tp_size}, gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+def share_input(columns: list[nn.Module], group: Any) -> None:
+    """Give the column layers of one unit (``q``, ``k``, ``v``; ``gate``, ``up``) one entry into the TP region, a
+    :class:`~lightning_amp.parallel.comm.SharedInput` set as their ``shared_input``, when two or more of them take
+    their input alike (the same sequence-parallel mode, outputs not gathered) over a group of more than one rank.
+    Layers without a ``shared_input`` (their entry is their own) are left as they are."""
+    columns = [c for c in columns if hasattr(c, "shared_input") and not getattr(c, "gather_output", False)]
+    modes = {(c.sequence_parallel, c.sequence_dim) for c in columns}
+    if len(columns) > 1 and len(modes) == 1 and group_size(group) > 1:
+        ((sequence_parallel, sequence_dim),) = modes
+        shared = comm.SharedInput(group, sequence_parallel, sequence_dim)
+        for column in columns:
+            column.shared_input = shared
 
 
 class RowParallelLinear(_ParallelLinearBase):

@@ -19,6 +19,7 @@ The sequence dim of a block's input: ``nn.TransformerEncoderLayer``/``DecoderLay
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 from torch import Tensor, nn
@@ -43,7 +44,7 @@ class Run:
     container: str
     names: list[str] = field(default_factory=list)
     seq_dim: int = 0
-    gathered_inputs: dict[str, int] = field(default_factory=dict)  # sub-module -> seq dim gathered at its input
+    gathered_inputs: list[str] = field(default_factory=list)  # sub-modules gathered at their input (along seq_dim)
 
 
 def _block_of(module: nn.Module, name: str) -> Optional[str]:
@@ -78,7 +79,7 @@ def plan_runs(module: nn.Module, decisions: dict[str, str], sequence_dim: Option
     (``sequence_parallel``, ``sequence_dim``, ``kv_sequence_parallel`` for attention)."""
     blocks: dict[str, int] = {}
     layer_kwargs: dict[str, dict] = {}
-    gathered: dict[str, int] = {}
+    gathered: list[str] = []
     for name, kind in decisions.items():
         block_name = _block_of(module, name)
         if block_name is None:
@@ -96,7 +97,8 @@ def plan_runs(module: nn.Module, decisions: dict[str, str], sequence_dim: Option
             if parent_name != block_name and not isinstance(block, _TORCH_LAYERS):
                 # a sub-module (attention, MLP) of the block: gathered once at its input, so its own code
                 # (which may read the sequence length from its input) sees the full sequence
-                gathered[parent_name] = seq_dim
+                if parent_name not in gathered:
+                    gathered.append(parent_name)
                 layer_kwargs[name] = dict(sequence_parallel=kind == "row", sequence_dim=seq_dim)
             else:
                 layer_kwargs[name] = dict(sequence_parallel=True, sequence_dim=seq_dim)
@@ -109,9 +111,9 @@ def plan_runs(module: nn.Module, decisions: dict[str, str], sequence_dim: Option
             last.names.append(block_name)
         else:
             runs.append(Run(container, [block_name], blocks[block_name]))
-    for parent_name, seq_dim in gathered.items():
+    for parent_name in gathered:
         run = next(r for r in runs if any(parent_name.startswith(b + ".") for b in r.names))
-        run.gathered_inputs[parent_name] = seq_dim
+        run.gathered_inputs.append(parent_name)
     return runs, layer_kwargs
 
 
@@ -136,93 +138,93 @@ def mark_replicated_params(block: nn.Module) -> list[str]:
 
 
 class _RunBoundaries:
-    """Forward hooks of one run: scatter at the first block's input, gather at the last block's output."""
+    """The forward hooks of one run of ``module`` (see the module docstring): the sequence is split at the first
+    block's input and gathered at the last block's output and at the input of every sub-module in
+    ``run.gathered_inputs``; a column layer that relies on such a gather refuses a call from outside its parent's
+    forward. ``handles``: every hook's removable handle."""
 
-    def __init__(self, run: Run, blocks: list[nn.Module], group: Any) -> None:
-        self.run, self.blocks, self.group = run, blocks, group
+    def __init__(self, module: nn.Module, run: Run, group: Any) -> None:
+        self.run, self.group = run, group
         self._handed: Optional[Tensor] = None  # output of the previous block of the run, in flight
+        self._running = dict.fromkeys(run.gathered_inputs, 0)  # per gathered sub-module: its forward calls running
         self.handles = []
-        for i, block in enumerate(blocks):
-            self.handles.append(block.register_forward_pre_hook(self._pre(i), with_kwargs=True))
-            self.handles.append(block.register_forward_hook(self._post(i)))
+        last = len(run.names) - 1
+        for i, name in enumerate(run.names):
+            block = module.get_submodule(name)
+            self.handles.append(block.register_forward_pre_hook(partial(self._block_input, i), with_kwargs=True))
+            self.handles.append(block.register_forward_hook(partial(self._block_output, i == last)))
+        for name in run.gathered_inputs:
+            sub = module.get_submodule(name)
+            self.handles.append(sub.register_forward_pre_hook(partial(self._sub_input, name), with_kwargs=True))
+            self.handles.append(sub.register_forward_hook(partial(self._sub_output, name)))
+            for child_name, child in sub.named_children():
+                if getattr(child, "sequence_parallel", None) is False and hasattr(child, "gather_output"):
+                    self.handles.append(child.register_forward_pre_hook(partial(self._only_inside, name, f"{name}.{child_name}")))
 
-    def _pre(self, i: int):
-        def hook(block, args, kwargs):
-            if not args or not isinstance(args[0], Tensor):
-                raise RuntimeError(f"sequence_parallel: block {self.run.names[i]!r} must take the hidden states as its first positional argument")
-            x = args[0]
-            if i == 0:
-                self._handed = None
-                x = comm.scatter_to_sequence_parallel_region(x, self.group, self.run.seq_dim)
-                return (x, *args[1:]), kwargs
-            handed, self._handed = self._handed, None
-            if handed is None or x is not handed:
-                raise RuntimeError(
-                    f"sequence_parallel: block {self.run.names[i]!r} was not called with the output of "
-                    f"{self.run.names[i - 1]!r}; blocks of one container must be chained (x = block(x)) "
-                    "for the sequence to stay split between them. Use sequence_parallel=False for this model"
-                )
+    def _block_input(self, i: int, block: nn.Module, args: tuple, kwargs: dict):
+        """Pre-hook of block ``i``: the first one splits its hidden states; the others must get the previous one's."""
+        if not args or not isinstance(args[0], Tensor):
+            raise RuntimeError(f"sequence_parallel: block {self.run.names[i]!r} must take the hidden states as its first "
+                               "positional argument")
+        if i == 0:
+            self._handed = None
+            return (self._split(args[0]), *args[1:]), kwargs
+        handed, self._handed = self._handed, None
+        if handed is None or args[0] is not handed:
+            raise RuntimeError(
+                f"sequence_parallel: block {self.run.names[i]!r} was not called with the output of "
+                f"{self.run.names[i - 1]!r}; blocks of one container must be chained (x = block(x)) "
+                "for the sequence to stay split between them. Use sequence_parallel=False for this model"
+            )
+        return None
+
+    def _block_output(self, last: bool, block: nn.Module, args: tuple, output: Any):
+        """Post-hook of a block: hands its hidden states to the next block, or (the last) gathers them whole."""
+        hidden = output[0] if isinstance(output, tuple) else output
+        if not last:
+            self._handed = hidden
             return None
-        return hook
+        full = self._gather(hidden)
+        return (full, *output[1:]) if isinstance(output, tuple) else full
 
-    def _post(self, i: int):
-        last = i == len(self.blocks) - 1
-
-        def hook(block, args, output):
-            hidden = output[0] if isinstance(output, tuple) else output
-            if not last:
-                self._handed = hidden
-                return None
-            # what follows the run is computed redundantly on every TP rank: its grad is whole, keep own chunk
-            full = comm.gather_from_sequence_parallel_region(hidden, self.group, self.run.seq_dim, tensor_parallel_output_grad=False)
-            return (full, *output[1:]) if isinstance(output, tuple) else full
-        return hook
-
-
-def _gather_input_hook(name: str, group: Any, seq_dim: int, inside: list):
-    """Pre-hook of a block's sub-module whose column layers take the full sequence: all-gather its
-    hidden states (first positional arg, else ``hidden_states=``). Its column layers all-reduce their
-    input grad, so the gather's backward only keeps this rank's chunk."""
-    def hook(sub, args, kwargs):
-        inside[0] += 1
+    def _sub_input(self, name: str, sub: nn.Module, args: tuple, kwargs: dict):
+        """Pre-hook of a sub-module whose column layers take the full sequence: gathers its hidden states (first
+        positional argument, else ``hidden_states=``)."""
+        self._running[name] += 1
         if args and isinstance(args[0], Tensor):
-            x = comm.gather_from_sequence_parallel_region(args[0], group, seq_dim, tensor_parallel_output_grad=False)
-            return (x, *args[1:]), kwargs
+            return (self._gather(args[0]), *args[1:]), kwargs
         if isinstance(kwargs.get("hidden_states"), Tensor):
-            x = comm.gather_from_sequence_parallel_region(kwargs["hidden_states"], group, seq_dim, tensor_parallel_output_grad=False)
-            return args, {**kwargs, "hidden_states": x}
+            return args, {**kwargs, "hidden_states": self._gather(kwargs["hidden_states"])}
         raise RuntimeError(f"sequence_parallel: {name!r} must take the hidden states as its first positional "
                            "argument or as hidden_states=")
-    return hook
+
+    def _sub_output(self, name: str, sub: nn.Module, args: tuple, output: Any) -> None:
+        self._running[name] -= 1
+
+    def _only_inside(self, parent: str, child: str, layer: nn.Module, args: tuple) -> None:
+        """Pre-hook of a column layer that relies on its parent's gathered input: it must be called from there."""
+        if self._running[parent] <= 0:
+            raise RuntimeError(
+                f"sequence_parallel: {child!r} was called outside {parent!r}.forward, so its input was not "
+                "gathered along the sequence; call the projections from their parent module's forward or use "
+                "sequence_parallel=False"
+            )
+
+    def _split(self, x: Tensor) -> Tensor:
+        """``x`` entering the run: this rank's chunk of the sequence (gathered back in backward)."""
+        return comm.scatter_to_sequence_parallel_region(x, self.group, self.run.seq_dim)
+
+    def _gather(self, x: Tensor) -> Tensor:
+        """``x`` leaving the run, or entering a sub-module that takes the full sequence: the whole sequence. What
+        follows is computed alike on every TP rank (the column layers all-reduce their input gradient), so its gradient
+        is whole: the backward keeps this rank's chunk."""
+        return comm.gather_from_sequence_parallel_region(x, self.group, self.run.seq_dim,
+                                                         tensor_parallel_output_grad=False)
 
 
 def install_boundaries(module: nn.Module, runs: list[Run], group: Any) -> list[_RunBoundaries]:
-    """Hook every run's scatter/gather (and the gathers at sub-module inputs) and mark the replicated
-    params of its blocks."""
-    installed = []
+    """Mark the replicated params of every run's blocks and hook its boundaries (:class:`_RunBoundaries`)."""
     for run in runs:
-        blocks = [module.get_submodule(n) for n in run.names]
-        for block in blocks:
-            mark_replicated_params(block)
-        installed.append(_RunBoundaries(run, blocks, group))
-        for name, seq_dim in run.gathered_inputs.items():
-            sub = module.get_submodule(name)
-            inside = [0]  # > 0 while sub.forward runs
-            handles = installed[-1].handles
-            handles.append(sub.register_forward_pre_hook(_gather_input_hook(name, group, seq_dim, inside), with_kwargs=True))
-            handles.append(sub.register_forward_hook(lambda *_, inside=inside: inside.__setitem__(0, inside[0] - 1)))
-            for child_name, child in sub.named_children():
-                if getattr(child, "sequence_parallel", None) is False and hasattr(child, "gather_output"):
-                    handles.append(child.register_forward_pre_hook(_only_inside(f"{name}.{child_name}", name, inside)))
-    return installed
-
-
-def _only_inside(child: str, parent: str, inside: list):
-    """A column layer that relies on its parent's gathered input must not be called from elsewhere."""
-    def hook(layer, args):
-        if inside[0] <= 0:
-            raise RuntimeError(
-                f"sequence_parallel: {child!r} was called outside {parent!r}.forward, so its input was not gathered "
-                "along the sequence; call the projections from their parent module's forward or use sequence_parallel=False"
-            )
-    return hook
+        for name in run.names:
+            mark_replicated_params(module.get_submodule(name))
+    return [_RunBoundaries(module, run, group) for run in runs]

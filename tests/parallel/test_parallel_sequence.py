@@ -284,6 +284,28 @@ def test_sequence_parallel_errors_name_the_problem():
         apply_plan(nn.Sequential(nn.LayerNorm(D)), None, "auto", sequence_parallel=True)
 
 
+def test_sequence_parallel_refuses_at_run_time_what_would_lose_the_split():
+    """The boundaries' own checks, on one process (the hooks are the same at any TP size): blocks of a run must be
+    chained, take the hidden states first, and a projection that relies on its parent's gathered input must be called
+    from there; a chained forward (and a second one) passes."""
+    torch.manual_seed(0)
+    model = Llamaish()
+    apply_plan(model, None, "auto", sequence_parallel=True, sequence_dim=1)
+    x = torch.randn(2, SEQ, D)
+    assert model(x).shape == model(x).shape == (2, SEQ, D)
+    model.layers[0](x)
+    with pytest.raises(RuntimeError, match="'layers.1' was not called with the output of 'layers.0'"):
+        model.layers[1](x)
+    with pytest.raises(RuntimeError, match="'layers.0' must take the hidden states as its first positional"):
+        model.layers[0](x=x)
+    with pytest.raises(RuntimeError, match="'layers.0.attn.q_proj' was called outside 'layers.0.attn'.forward"):
+        model.layers[0].attn.q_proj(x)
+    model.layers[0].attn(hidden_states=x)  # from its parent's forward: gathered (whole already at TP=1)
+    with pytest.raises(RuntimeError, match="'layers.0.attn' must take the hidden states as its first positional "
+                                           "argument or as hidden_states="):
+        model.layers[0].attn(states=x)
+
+
 # ------------------------------------------------------------------ O2 resume at TP=2
 
 
