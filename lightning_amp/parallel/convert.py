@@ -25,7 +25,7 @@ from lightning_amp.parallel.layers import ColumnParallelLinear, RowParallelLinea
 from lightning_amp.parallel.plan import TensorParallelPlan, build_plan
 from lightning_amp.parallel.reading.families import HEAD_ATTRS, Unit
 from lightning_amp.parallel.reading.heads import AttentionShape
-from lightning_amp.parallel.sequence import install_boundaries, plan_runs
+from lightning_amp.parallel.sequence import install_boundaries
 
 _LAYER_OPTIONS = ("gradient_accumulation_fusion", "async_grad_allreduce")  # config fields the layers read
 #: the layers a conversion makes (a model holding one is converted already)
@@ -225,7 +225,7 @@ def convert_model(module: nn.Module, group: Any = None, config: Optional[TensorP
     to every parallel layer."""
     config = TensorParallelConfig() if config is None else config
     checked = build_plan(module, config.plan, group_size(group), config.sequence_parallel, config.allow_replicated,
-                         config.unsplit_ok)
+                         config.unsplit_ok, config.sequence_dim)
     return convert(module, checked, group, config, **layer_kwargs)
 
 
@@ -235,18 +235,16 @@ def convert(module: nn.Module, checked: TensorParallelPlan, group: Any, config: 
     ``group``, holding its slices of the existing weights. ``checked`` is a :func:`~lightning_amp.parallel.plan.build_plan`
     of ``module`` (or of a copy: the module paths are what count), automatic or explicit alike; nothing else is read.
 
-    Order: what sequence parallelism needs is planned (and refused) before anything changes; then per unit the
-    attributes its attention reads take their per-rank values, its layers are replaced and its per-head inputs cut;
-    last the sequence is split at the boundaries of the runs of blocks."""
+    With ``config.sequence_parallel``, ``checked`` must have been checked so (its ``sequence`` placed: ValueError
+    otherwise, before anything changes). Order: per unit the attributes its attention reads take their per-rank values,
+    its layers are replaced and its per-head inputs cut; last the sequence is split at the boundaries of the runs of
+    blocks."""
     tp = group_size(group)
-    runs, sp_kwargs = [], {}
-    if config.sequence_parallel:
-        if not checked.units:
-            raise ValueError(f"sequence_parallel=True: the plan found no layer of {type(module).__name__} to split")
-        if any(u.columns and not u.rows for u in checked.units):
-            raise ValueError("sequence_parallel=True: column layers "
-                             f"{[c for u in checked.units if not u.rows for c in u.columns]} have no row-parallel partner")
-        runs, sp_kwargs = plan_runs(module, checked.decisions, config.sequence_dim)
+    sequence = checked.sequence if config.sequence_parallel else None
+    if config.sequence_parallel and sequence is None:
+        raise ValueError("sequence_parallel=True: the plan was checked without sequence parallelism; build it with "
+                         "build_plan(..., sequence_parallel=True, sequence_dim=...) or check_plan(...) so")
+    sp_kwargs = sequence.layer_kwargs if sequence is not None else {}
     linear_kwargs = dict(layer_kwargs, config=config)  # the layers read their options from it
     report = PlanReport(tp, whole=dict(checked.whole))
     for unit in checked.units:
@@ -257,11 +255,10 @@ def convert(module: nn.Module, checked: TensorParallelPlan, group: Any, config: 
         split.layers = _convert_unit(module, unit, group, sp_kwargs, linear_kwargs)
         split.heads += install_head_inputs(module, unit, group)
         report.split.append(split)
-    if config.sequence_parallel:
-        install_boundaries(module, runs, group)
-        report.sequence = [Conversion(run.container, "blocks", "seq-split",
-                                      f"{len(run.names)} block(s), sequence dim {run.seq_dim} split between them")
-                           for run in runs]
+    if sequence is not None:
+        install_boundaries(module, sequence.runs, group)
+        report.sequence = [Conversion(run.container, "blocks", "seq-split", line.partition(": ")[2])
+                           for run, line in zip(sequence.runs, sequence.describe())]
     return report
 
 

@@ -41,6 +41,7 @@ from lightning_amp.parallel.reading.head_inputs import HeadInput
 from lightning_amp.parallel.reading.heads import AttentionShape
 from lightning_amp.parallel.reading.qkv_heads import QKVHeads
 from lightning_amp.parallel.reading.model_reading import ModelReading, read_model
+from lightning_amp.parallel.sequence import SequencePlan, plan_runs
 
 #: column: output features split; row: input features split; replicated: a key/value projection with fewer heads
 #: than ranks, whole on every rank (each uses its query heads' one); attention: an ``nn.MultiheadAttention``
@@ -152,12 +153,15 @@ class TensorParallelPlan(Mapping):
 
     Prints as the plan report (:meth:`format`), round-trips through :meth:`to_dict` / :meth:`to_json` (and YAML: the
     dict holds only str, int, bool, lists and dicts), and is accepted by ``plan=`` in any of those forms.
-    ``tensor_parallel_size``: the TP size it was read for (None for a plan not yet read).
+    ``tensor_parallel_size``: the TP size it was read for (None for a plan not yet read). ``sequence``: the
+    :class:`~lightning_amp.parallel.sequence.SequencePlan` of a plan checked with ``sequence_parallel=True`` (derived
+    from the entries and the model: not part of the dict form, and not compared).
     """
 
     def __init__(self, entries: Mapping[str, Style], tensor_parallel_size: Optional[int] = None) -> None:
         self._entries = dict(entries)
         self.tensor_parallel_size = tensor_parallel_size
+        self.sequence: Optional[SequencePlan] = None  # where sequence parallelism splits the sequence (when checked so)
 
     def __getitem__(self, path: str) -> Style:
         return self._entries[path]
@@ -292,6 +296,9 @@ class TensorParallelPlan(Mapping):
             for path, inputs in unit.head_inputs.items():
                 names = ", ".join(i.name + (" (batch * heads)" if i.folded else "") for i in inputs)
                 lines.append(f"    {path or 'the model'}: input(s) {names} cut to each rank's heads")
+        if self.sequence is not None:
+            lines.append("  sequence parallel:")
+            lines += [f"    {line}" for line in self.sequence.describe()]
         if self.whole:
             lines.append("  left whole:")
             lines += [f"    {path}: {why}" for path, why in self.whole.items()]
@@ -425,19 +432,21 @@ def _fused_column(reading: ModelReading, unit: Unit) -> Optional[str]:
 
 
 def build_plan(module: nn.Module, plan: Any, tp: int, sequence_parallel: bool = False, allow_replicated: bool = False,
-               unsplit_ok: Sequence[str] = ()) -> TensorParallelPlan:
+               unsplit_ok: Sequence[str] = (), sequence_dim: Optional[int] = None) -> TensorParallelPlan:
     """The checked plan of ``module`` at TP size ``tp`` for ``plan``: :func:`check_plan` of its
     :func:`~lightning_amp.parallel.reading.model_reading.read_model`; changes nothing."""
-    return check_plan(read_model(module, tp), plan, sequence_parallel, allow_replicated, unsplit_ok)
+    return check_plan(read_model(module, tp), plan, sequence_parallel, allow_replicated, unsplit_ok, sequence_dim)
 
 
 def check_plan(reading: ModelReading, plan: Any, sequence_parallel: bool = False, allow_replicated: bool = False,
-               unsplit_ok: Sequence[str] = ()) -> TensorParallelPlan:
+               unsplit_ok: Sequence[str] = (), sequence_dim: Optional[int] = None) -> TensorParallelPlan:
     """The checked plan of the model ``reading`` read, at its TP size, for ``plan`` (``"auto"`` or any form
     :meth:`TensorParallelPlan.parse` takes). Raises ValueError naming the entries or module paths and the reason (see
     the module docstring); ``unsplit_ok``: globs of attentions ``plan="auto"`` may leave whole
-    (:mod:`~lightning_amp.parallel.reading.unsplit`). Decided on ``reading`` alone, but for the data flow between an
-    explicit plan's own column and row layers, read from the model last."""
+    (:mod:`~lightning_amp.parallel.reading.unsplit`). ``sequence_parallel``: the plan's :attr:`TensorParallelPlan.sequence`
+    is placed too (:func:`~lightning_amp.parallel.sequence.plan_runs`, ``sequence_dim`` for blocks other than
+    ``nn.Transformer*Layer``). Decided on ``reading`` alone, but for the data flow between an explicit plan's own column
+    and row layers and the blocks sequence parallelism splits, read from the model last."""
     given = None if plan == "auto" else TensorParallelPlan.parse(plan)
     unsplit_ok = validate_unsplit_ok(unsplit_ok)
     tp, layers = reading.tp, reading.layers
@@ -483,6 +492,8 @@ def check_plan(reading: ModelReading, plan: Any, sequence_parallel: bool = False
         _confirm(reading, given, result)
         _refuse([f"{', '.join(u.members)} ({u.family}): {problem}" for u in units if u.family == "explicit"
                  and (problem := _explicit_flow(reading, u))])
+    if sequence_parallel:
+        result.sequence = plan_runs(reading.model, result, sequence_dim)
     return result
 
 

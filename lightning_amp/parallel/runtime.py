@@ -113,7 +113,8 @@ class TensorParallelRuntime:
         assert self.groups is not None, "build_groups first"
         config = self.config
         reading = read_model(module, self.groups.tp_size)
-        self.plan = check_plan(reading, config.plan, config.sequence_parallel, config.allow_replicated, config.unsplit_ok)
+        self.plan = check_plan(reading, config.plan, config.sequence_parallel, config.allow_replicated, config.unsplit_ok,
+                               config.sequence_dim)
         self.report = convert(module, self.plan, self.groups.tp_group, config)
         self.conversions = self.report.conversions
         self.converted = True

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor, nn
 
 from lightning_amp.parallel import comm
+
+if TYPE_CHECKING:
+    from lightning_amp.parallel.plan import TensorParallelPlan
 
 _TORCH_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
@@ -74,9 +77,30 @@ def _block_seq_dim(block_name: str, block: nn.Module, sequence_dim: Optional[int
     return sequence_dim
 
 
-def plan_runs(module: nn.Module, decisions: dict[str, str], sequence_dim: Optional[int]) -> tuple[list[Run], dict[str, dict]]:
-    """The runs of blocks holding the planned layers, and per planned layer the extra kwargs
-    (``sequence_parallel``, ``sequence_dim``, ``kv_sequence_parallel`` for attention)."""
+@dataclass
+class SequencePlan:
+    """Where sequence parallelism splits the sequence: the runs of blocks holding the planned layers, and per planned
+    layer the keywords its parallel layer takes (``sequence_parallel``, ``sequence_dim``, ``kv_sequence_parallel``)."""
+
+    runs: list[Run]
+    layer_kwargs: dict[str, dict]
+
+    def describe(self) -> list[str]:
+        """One line per run, as the plan and the conversion report print it."""
+        return [f"{run.container}: {len(run.names)} block(s), sequence dim {run.seq_dim} split between them"
+                for run in self.runs]
+
+
+def plan_runs(module: nn.Module, plan: "TensorParallelPlan", sequence_dim: Optional[int]) -> SequencePlan:
+    """The :class:`SequencePlan` of ``plan`` (checked for ``module``); ValueError, naming the layers, for a plan that
+    splits nothing, a column layer without a row partner, or a layer outside any block (see the module docstring)."""
+    units = plan.units
+    if not units:
+        raise ValueError(f"sequence_parallel=True: the plan found no layer of {type(module).__name__} to split")
+    lone = [c for u in units if not u.rows for c in u.columns]
+    if lone:
+        raise ValueError(f"sequence_parallel=True: column layers {lone} have no row-parallel partner")
+    decisions = plan.decisions
     blocks: dict[str, int] = {}
     layer_kwargs: dict[str, dict] = {}
     gathered: list[str] = []
@@ -114,7 +138,7 @@ def plan_runs(module: nn.Module, decisions: dict[str, str], sequence_dim: Option
     for parent_name in gathered:
         run = next(r for r in runs if any(parent_name.startswith(b + ".") for b in r.names))
         run.gathered_inputs.append(parent_name)
-    return runs, layer_kwargs
+    return SequencePlan(runs, layer_kwargs)
 
 
 def module_index(module: nn.Module, name: str) -> int:

@@ -76,6 +76,6 @@ def read_model(module: nn.Module, tp: int) -> ModelReading:
             if all(name.rpartition(".")[0] == parent for name in unit.members):
                 unit.problem = between_problem(module, parent, unit.columns, unit.rows,
                                                layers[unit.columns[0]].out_features)
-    unsplit = list(whole) + [m for u in units if u.problem for m in u.members]
-    attention_of, attentions = whole_attentions(module, unsplit, tp, layers)
+    problems = {m: u.problem for u in units if u.problem for m in u.members}
+    attention_of, attentions = whole_attentions(module, list(whole) + list(problems), problems, claimed)
     return ModelReading(module, tp, layers, units, whole, attention_of, attentions)

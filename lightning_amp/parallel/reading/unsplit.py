@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 from torch import nn
 
 from lightning_amp.parallel.reading.dataflow import products, sources
 from lightning_amp.parallel.reading.families import HEAD_ATTRS
 from lightning_amp.parallel.reading.forward_graph import ForwardUnreadable, read_forward
-from lightning_amp.parallel.reading.heads import attention_unit
-from lightning_amp.parallel.reading.projections import Layer, is_projection, widths_of
+from lightning_amp.parallel.reading.projections import is_projection, widths_of
 
 _HEAD_COUNTS = HEAD_ATTRS + ("head_dim", "head_size", "num_kv_heads", "n_local_heads", "attention_head_size")
 _ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
@@ -63,20 +62,22 @@ class WholeAttention:
     way_out: str
 
 
-def whole_attentions(model: nn.Module, paths: Sequence[str], tp: int,
-                     layers: Mapping[str, Layer]) -> tuple[dict[str, str], dict[str, WholeAttention]]:
-    """For the projections ``paths`` of ``model`` (its :func:`~lightning_amp.parallel.reading.projections.layer_table`:
-    ``layers``): the attention module each lies in (those in one), and per such attention module what reading it alone
-    at TP size ``tp`` shows."""
+def whole_attentions(model: nn.Module, paths: Sequence[str], problems: Mapping[str, str],
+                     planned: Collection[str]) -> tuple[dict[str, str], dict[str, WholeAttention]]:
+    """For the projections ``paths`` of ``model``: the attention module each lies in (those in one), and per such
+    attention module why it is not split: the ``problems`` of a unit it holds (per projection path: its unit's
+    problem), else what reading it alone shows (:func:`why_not_split`; ``planned``: every projection of a unit)."""
     attention_of = {path: owner for path in paths if (owner := _owner(model, path)) is not None}
-    ways_out = {owner: _way_out(model, owner) for owner in attention_of.values()}
+    known = {owner: problems[path] for path, owner in attention_of.items() if path in problems}
     return attention_of, {owner: WholeAttention(type(model.get_submodule(owner)).__name__,
-                                                why_not_split(model, owner, tp, layers), way_out)
-                          for owner, way_out in ways_out.items()}
+                                                known.get(owner) or why_not_split(model, owner, planned),
+                                                _way_out(model, owner))
+                          for owner in dict.fromkeys(attention_of.values())}
 
 
-def why_not_split(model: nn.Module, path: str, tp: int, layers: Mapping[str, Layer]) -> str:
-    """What reading the attention module ``path`` alone shows: why its heads are not split at TP size ``tp``."""
+def why_not_split(model: nn.Module, path: str, planned: Collection[str] = ()) -> str:
+    """What reading the attention module ``path`` alone shows: why its projections are not a unit of the plan
+    (``planned``: the projections of the plan's units)."""
     module = model.get_submodule(path)
     projections = [name for name, m in module.named_modules() if is_projection(m)]
     if not projections:
@@ -98,8 +99,14 @@ def why_not_split(model: nn.Module, path: str, tp: int, layers: Mapping[str, Lay
     outs = [f"{path}.{name}" for name in projections if f"{path}.{name}" not in members]
     if len(outs) != 1:
         return f"its query, key and value come from {members}, but no single out-projection takes their product"
-    unit = attention_unit(model, members, outs[0], tp, layers)
-    return unit.problem or "its attention was read but left out of the plan"
+    if len(members) == 2:
+        return (f"its query, key and value come from two projections ({', '.join(members)}; one fused for two of "
+                "them): not a layout tp_fused splits")
+    elsewhere = [p for p in members + outs if p in planned]
+    if elsewhere:
+        return (f"reading it alone shows an attention from {', '.join(members)} to {outs[0]}, but "
+                f"{', '.join(elsewhere)} belong(s) to another unit of the plan")
+    return "reading it alone shows an attention, but the reading of the whole model did not find it"
 
 
 def _way_out(model: nn.Module, path: str) -> str:
