@@ -1,0 +1,119 @@
+"""The riskiest fused attention layouts under ``tp_fused`` with mixed precision, one step outside the fp32 tests of
+tests/parallel/test_fused_layouts_tp.py: BLOOM (``query_key_value`` interleaved per head, ALiBi with the heads folded
+into the batch, cut per rank), MPT (blocked ``Wqkv``, ALiBi ``position_bias`` cut per rank) and Falcon's new decoder
+architecture (interleaved per key/value group) train on 2 gloo ranks under ``precision="bf16-mixed"`` and under
+``AmpO2Plugin()`` (bf16), each against the same precision in one process.
+
+Oracle and bounds (u = 2^-8, bf16's unit roundoff, :func:`support.bounds.unit_roundoff`). Both runs compute the same
+bf16 ops; TP=2 rounds each row layer's partial sums to bf16 before their all-reduce, sums its input gradients across
+ranks, and accumulates the weight gradients in an fp32 ``main_grad``, where one process rounds each whole sum once.
+The runs therefore differ only by where and in which order bf16 rounds:
+
+* **Each tensor's update** (its movement from the initial weights over STEPS SGD steps) agrees within
+  ``UPDATE_TOL = 2 sqrt(n) u`` in norm, relative to the update's norm: the roundings of a step are independent with
+  zero mean, so their effect on a tensor's many elements adds in quadrature (Higham, *Accuracy and Stability*, 2nd
+  ed., sec. 2.8), ``sqrt(n) u`` for ``n`` bf16 roundings on the way from the loss to a weight's gradient (about 12
+  per block in forward and as many in backward, 2 blocks: n = 48), twice for two runs: 5.4%. Measured
+  (2026-11-29, Intel Xeon AVX-512, no AVX512_BF16/AMX): at most 1.7% (BLOOM's embedding LayerNorm weight under O2,
+  a gradient that cancels across tokens), the split layers' weights at most 0.7%.
+* **Each step's loss** agrees within ``u / 4`` relative (as tests/parallel/test_litgpt_tp.py bounds O2 at TP=2: the
+  fp32 cross-entropy averages the logits' rounding differences over 64 tokens); measured at most 2.2e-4.
+
+What a wrong split does. A wrong ALiBi cut (rank 0's heads' bias on both ranks), emulated in one process by giving
+heads 2 and 3 the slopes of heads 0 and 1, changes the fused ``query_key_value``/``Wqkv`` update by 17% (BLOOM) and
+21% (MPT) of its norm, 3x and 4x ``UPDATE_TOL``; each test reruns that emulation and asserts it lies beyond
+``2 UPDATE_TOL``, so the update check is shown to catch it on the CPU it runs on. A shard that missed or doubled
+an update is off by 50-100%. The loss is NOT the oracle for the split: these tiny random-init models barely use
+their attention, and the same wrong cut moves the loss by 2e-6 (BLOOM) and 5e-4 (MPT), inside bf16's rounding;
+the loss bound catches NaN, divergence and faults that move the loss by O(1) (a wrong vocabulary or embedding
+shard). Also: no NaN in any loss or weight, the checkpoint gathered on the 2 ranks loads strictly into the plain
+model, attention and MLP are split in every block, and after training every param and every ``main_grad`` is fp32
+(the params both precisions promise: Lightning's ``bf16-mixed`` and O2 keep the module's Parameters fp32)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from lightning_amp import AmpO2Plugin
+from lightning_amp.trainer.strategy import TensorParallelStrategy
+from support.bounds import unit_roundoff
+from support.families_zoo import STEPS, Zoo, fit, needs_transformers, rel_loss_diff
+
+SPLIT = ("bloom", "mpt", "falcon_new")
+ALIBI = ("bloom", "mpt")
+PRECISIONS = {"bf16-mixed": lambda: dict(precision="bf16-mixed"), "O2": lambda: dict(plugins=[AmpO2Plugin()])}
+U = unit_roundoff(torch.bfloat16)
+ROUNDINGS = 48  # bf16 roundings from the loss to a weight's gradient: ~12 per block, forward and backward, 2 blocks
+UPDATE_TOL = 2 * math.sqrt(ROUNDINGS) * U
+LOSS_TOL = U / 4
+
+
+def update_diffs(got: dict, ref: dict, start: dict, name: str) -> dict:
+    """Per floating tensor of family ``name`` that moved: ``|got - ref| / |ref - start|`` (Frobenius norms)."""
+    diffs = {}
+    for key, initial in start.items():
+        if key.startswith(f"families.{name}.") and initial.is_floating_point():
+            moved = (ref[key].double() - initial.double()).norm()
+            if moved > 0:
+                diffs[key] = ((got[key].double() - ref[key].double()).norm() / moved).item()
+    return diffs
+
+
+def _wrong_alibi_cut(monkeypatch) -> None:
+    """Give heads 2 and 3 the ALiBi slopes of heads 0 and 1 (of 4): what each rank computes if both take rank 0's cut."""
+    from transformers.models.bloom import modeling_bloom
+    from transformers.models.mpt import modeling_mpt
+
+    def first_half_twice(build):
+        def wrong(*args, **kwargs):
+            bias = build(*args, **kwargs).clone()  # heads first: BLOOM's slopes, MPT's (heads, 1, seq) bias
+            bias[bias.shape[0] // 2:] = bias[:bias.shape[0] // 2]
+            return bias
+        return wrong
+
+    monkeypatch.setattr(modeling_bloom, "_get_alibi_slopes", first_half_twice(modeling_bloom._get_alibi_slopes))
+    monkeypatch.setattr(modeling_mpt, "build_mpt_alibi_tensor", first_half_twice(modeling_mpt.build_mpt_alibi_tensor))
+
+
+@pytest.mark.slow
+@needs_transformers
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_fused_families_tp2_match_one_process_within_bf16_rounding(tmp_path, monkeypatch, precision):
+    ref, _ = fit(tmp_path / "single", "auto", 1, names=SPLIT, **PRECISIONS[precision]())
+    tp2, _ = fit(tmp_path / "tp2", TensorParallelStrategy(start_method="spawn"), 2, names=SPLIT,
+                 **PRECISIONS[precision]())
+    with open(tmp_path / "tp2" / "converted.json") as f:
+        for name, (columns, rows) in json.load(f).items():  # attention and MLP in each of the 2 blocks
+            assert columns >= 4 and rows == 4, f"{name}: {columns} column- and {rows} row-parallel layers at TP=2"
+    with open(tmp_path / "tp2" / "dtypes.json") as f:
+        dtypes = json.load(f)
+    start = Zoo(names=SPLIT).state_dict()
+    ref_state, tp_state = (torch.load(tmp_path / run / "final.ckpt", weights_only=False)["state_dict"]
+                           for run in ("single", "tp2"))
+    Zoo(names=SPLIT).load_state_dict(tp_state)  # strict: the plain model's keys and shapes
+    assert all(torch.isfinite(t).all() for t in tp_state.values() if t.is_floating_point())
+    figures = {}
+    for name in SPLIT:
+        assert dtypes[name] == {"params": ["torch.float32"], "main_grad": ["torch.float32"]}, (name, dtypes[name])
+        assert len(tp2[name]) == len(ref[name]) == STEPS and all(map(math.isfinite, tp2[name])), (name, tp2[name])
+        assert ref[name][-1] < ref[name][0], f"{name} did not train under {precision}: {ref[name]}"
+        diffs = update_diffs(tp_state, ref_state, start, name)
+        worst = max(diffs, key=diffs.get)
+        figures[name] = (rel_loss_diff(tp2[name], ref[name]), diffs[worst], worst)
+        assert figures[name][0] < LOSS_TOL, f"{name}: TP=2 {tp2[name]} vs one process {ref[name]}"
+        assert diffs[worst] < UPDATE_TOL, f"{name}: {worst}'s update differs by {diffs[worst]:.1%}"
+
+    _wrong_alibi_cut(monkeypatch)  # the same one-process run with the ALiBi bias cut wrong: the check above catches it
+    fit(tmp_path / "wrong_cut", "auto", 1, names=ALIBI, **PRECISIONS[precision]())
+    wrong = torch.load(tmp_path / "wrong_cut" / "final.ckpt", weights_only=False)["state_dict"]
+    for name in ALIBI:
+        effect = max(update_diffs(wrong, ref_state, start, name).values())
+        assert effect > 2 * UPDATE_TOL, f"{name}: a wrong ALiBi cut moves the updates by only {effect:.1%}"
+        figures[name] += (effect,)
+    print(f"\n{precision}: max rel loss diff, max update diff (tensor)[, a wrong ALiBi cut's]; bound "
+          f"{LOSS_TOL:.1e}, {UPDATE_TOL:.1%}\n" + "\n".join(
+              f"  {n}: {f[0]:.1e} {f[1]:.2%} ({f[2].split('.', 2)[2]})" + (f" [{f[3]:.1%}]" if len(f) > 3 else "")
+              for n, f in figures.items()))
