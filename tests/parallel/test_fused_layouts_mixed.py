@@ -37,6 +37,7 @@ import math
 
 import pytest
 import torch
+from torch.multiprocessing import ProcessRaisedException
 
 from lightning_amp import AmpO2Plugin
 from lightning_amp.trainer.strategy import TensorParallelStrategy
@@ -89,25 +90,26 @@ def _wrong_cuts(monkeypatch) -> None:
                         groups_swapped(modeling_falcon.FalconAttention._split_heads))
 
 
-@pytest.mark.slow
-@needs_transformers
-@pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_fused_families_tp2_match_one_process_within_bf16_rounding(tmp_path, monkeypatch, precision):
-    ref, _ = fit(tmp_path / "single", "auto", 1, names=SPLIT, **PRECISIONS[precision]())
-    tp2, _ = fit(tmp_path / "tp2", TensorParallelStrategy(start_method="spawn"), 2, names=SPLIT,
+def _tp2_against_one_process(out, precision: str, names: tuple, **strategy_kwargs):
+    """Train ``names`` in one process and on 2 gloo ranks (``TensorParallelStrategy(**strategy_kwargs)``) under
+    ``precision`` and check the TP=2 run against the one-process run as the module docstring says; returns the
+    one-process run's final and the initial state dicts and, per family, (max rel loss diff, max update diff, its
+    tensor)."""
+    ref, _ = fit(out / "single", "auto", 1, names=names, **PRECISIONS[precision]())
+    tp2, _ = fit(out / "tp2", TensorParallelStrategy(start_method="spawn", **strategy_kwargs), 2, names=names,
                  **PRECISIONS[precision]())
-    with open(tmp_path / "tp2" / "converted.json") as f:
+    with open(out / "tp2" / "converted.json") as f:
         for name, (columns, rows) in json.load(f).items():  # attention and MLP in each of the 2 blocks
             assert columns >= 4 and rows == 4, f"{name}: {columns} column- and {rows} row-parallel layers at TP=2"
-    with open(tmp_path / "tp2" / "dtypes.json") as f:
+    with open(out / "tp2" / "dtypes.json") as f:
         dtypes = json.load(f)
-    start = Zoo(names=SPLIT).state_dict()
-    ref_state, tp_state = (torch.load(tmp_path / run / "final.ckpt", weights_only=False)["state_dict"]
+    start = Zoo(names=names).state_dict()
+    ref_state, tp_state = (torch.load(out / run / "final.ckpt", weights_only=False)["state_dict"]
                            for run in ("single", "tp2"))
-    Zoo(names=SPLIT).load_state_dict(tp_state)  # strict: the plain model's keys and shapes
+    Zoo(names=names).load_state_dict(tp_state)  # strict: the plain model's keys and shapes
     assert all(torch.isfinite(t).all() for t in tp_state.values() if t.is_floating_point())
     figures = {}
-    for name in SPLIT:
+    for name in names:
         assert dtypes[name] == {"params": ["torch.float32"], "main_grad": ["torch.float32"]}, (name, dtypes[name])
         assert len(tp2[name]) == len(ref[name]) == STEPS and all(map(math.isfinite, tp2[name])), (name, tp2[name])
         assert ref[name][-1] < ref[name][0], f"{name} did not train under {precision}: {ref[name]}"
@@ -116,7 +118,20 @@ def test_fused_families_tp2_match_one_process_within_bf16_rounding(tmp_path, mon
         figures[name] = (rel_loss_diff(tp2[name], ref[name]), diffs[worst], worst)
         assert figures[name][0] < LOSS_TOL, f"{name}: TP=2 {tp2[name]} vs one process {ref[name]}"
         assert diffs[worst] < UPDATE_TOL, f"{name}: {worst}'s update differs by {diffs[worst]:.1%}"
+    return ref_state, start, figures
 
+
+def _print(title: str, figures: dict) -> None:
+    print(f"\n{title}: max rel loss diff, max update diff (tensor)[, a wrong cut's]; bounds {LOSS_TOL:.1e}, "
+          f"{UPDATE_TOL:.1%}\n" + "\n".join(f"  {n}: {f[0]:.1e} {f[1]:.2%} ({f[2].split('.', 2)[2]})"
+                                           + "".join(f" {e:.1%}" for e in f[3:]) for n, f in figures.items()))
+
+
+@pytest.mark.slow
+@needs_transformers
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_fused_families_tp2_match_one_process_within_bf16_rounding(tmp_path, monkeypatch, precision):
+    ref_state, start, figures = _tp2_against_one_process(tmp_path, precision, SPLIT)
     _wrong_cuts(monkeypatch)  # the same one-process run with each family's heads cut wrong: the check catches it
     fit(tmp_path / "wrong_cut", "auto", 1, names=SPLIT, **PRECISIONS[precision]())
     wrong = torch.load(tmp_path / "wrong_cut" / "final.ckpt", weights_only=False)["state_dict"]
@@ -124,6 +139,37 @@ def test_fused_families_tp2_match_one_process_within_bf16_rounding(tmp_path, mon
         effect = max(update_diffs(wrong, ref_state, start, name).values())
         assert effect > 2 * UPDATE_TOL, f"{name}: a wrong cut of its heads moves the updates by only {effect:.1%}"
         figures[name] += (effect,)
-    print(f"\n{precision}: max rel loss diff, max update diff (tensor), a wrong cut's; bounds {LOSS_TOL:.1e}, "
-          f"{UPDATE_TOL:.1%}\n" + "\n".join(f"  {n}: {f[0]:.1e} {f[1]:.2%} ({f[2].split('.', 2)[2]}) {f[3]:.1%}"
-                                           for n, f in figures.items()))
+    _print(precision, figures)
+
+
+class _InPlaceOnReduceScatterView(RuntimeError):
+    """The failure FALCON_SP_REASON names, told apart from any other a rank raises."""
+
+
+FALCON_SP_REASON = (
+    "Falcon adds in place into its MLP's output (`mlp_output += attention_output`, both variants: parallel_attn). "
+    "Under sequence parallelism that output is the row layer's reduce-scatter, _ReduceScatterToSP's output, which "
+    "comm.finish_reduce_scatter returns as a view (`out.movedim(0, dim)`, for every dim, 0 included) of the buffer "
+    "made inside the Function: autograd forbids modifying it in place ('Output 0 of _ReduceScatterToSP is a view and "
+    "is being modified inplace'), at fp32 as well. Fix in lightning_amp/parallel/comm.py: finish_reduce_scatter "
+    "returns `out if dim == 0 else out.movedim(0, dim).contiguous()` (a tensor of its own; tried: fp32 equal to one "
+    "process, bf16-mixed and O2 within the bounds)")
+
+
+@pytest.mark.slow
+@needs_transformers
+@pytest.mark.parametrize("names, precision", [
+    pytest.param(("bloom", "mpt"), "O2", id="bloom-mpt-O2"),
+    pytest.param(("falcon_new", "falcon_mq"), "bf16-mixed", id="falcon-bf16-mixed",
+                 marks=pytest.mark.xfail(strict=True, raises=_InPlaceOnReduceScatterView, reason=FALCON_SP_REASON)),
+])
+def test_with_sequence_parallel_tp2_match_one_process_within_bf16_rounding(tmp_path, names, precision):
+    """The same with sequence parallelism ([batch, seq, hidden]: ``sequence_dim=1``): the ALiBi and key/value cuts
+    with the sequence scattered between the blocks."""
+    try:
+        _, _, figures = _tp2_against_one_process(tmp_path, precision, names, sequence_parallel=True, sequence_dim=1)
+    except ProcessRaisedException as error:  # the known failure only (FALCON_SP_REASON): any other still fails
+        if "Output 0 of _ReduceScatterToSP is a view and is being modified inplace" in str(error):
+            raise _InPlaceOnReduceScatterView from error
+        raise
+    _print(f"{precision}, sequence parallel", figures)
