@@ -28,11 +28,11 @@ ranks: heads 2 and 3 given the slopes of heads 0 and 1) changes the fused ``quer
 (BLOOM) and 21% (MPT) of its norm, 3x and 4x ``UPDATE_TOL``; Falcon's query heads attending with the other key/value
 group's keys and values (each rank cut the other's group), by 129%. A shard that missed or doubled its updates is
 off by 100% (its whole movement). The loss is NOT the oracle for the split: these tiny random-init models barely use
-their attention, and the same wrong cut moves the loss by 2e-6 (BLOOM) and 5e-4 (MPT) at fp32, below the
-loss bound, which catches NaN and divergence. Also: no NaN in any loss or weight, the checkpoint gathered on the 2 ranks
-loads strictly into the plain model, attention and MLP are split in every block, and after training every param and
-every ``main_grad`` is fp32 (the params both precisions promise: Lightning's ``bf16-mixed`` and O2 keep the module's
-Parameters fp32)."""
+their attention, and the same wrong cuts move the loss by at most 2.8e-6 (BLOOM), 6.2e-4 (MPT) and 2.8e-3 (Falcon)
+at fp32, the first two below the loss bound, which catches NaN and divergence. Also: no NaN in any loss or weight,
+the checkpoint gathered on the 2 ranks loads strictly into the plain model, attention and MLP are split in every
+block, and after training every param and every ``main_grad`` is fp32 (the params both precisions promise:
+Lightning's ``bf16-mixed`` and O2 keep the module's Parameters fp32)."""
 from __future__ import annotations
 
 import json
