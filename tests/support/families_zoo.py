@@ -152,6 +152,18 @@ class Zoo(pl.LightningModule):
                     json.dump(self.converted, f)
                 with open(os.path.join(self.out_dir, "local_shapes.json"), "w") as f:
                     json.dump(self.local_shapes, f)
+                with open(os.path.join(self.out_dir, "dtypes.json"), "w") as f:
+                    json.dump(self.dtypes(), f)
+
+    def dtypes(self) -> dict:
+        """Per family, the dtypes its params (``params``) and their fp32 grad buffers (``main_grad``, under
+        ``tp_fused``) hold on this rank."""
+        def names(tensors):
+            return sorted({str(t.dtype) for t in tensors if t is not None})
+
+        return {name: {"params": names(family.parameters()),
+                       "main_grad": names(getattr(p, "main_grad", None) for p in family.parameters())}
+                for name, family in self.families.items()}
 
 
 def data():
