@@ -159,8 +159,9 @@ class _KeepAlive:
 
 
 def finish_reduce_scatter(out: Tensor, dim: int) -> Tensor:
-    """Undo the dim move of :func:`reduce_scatter_along` once its collective is complete."""
-    return out.movedim(0, dim)
+    """Undo the dim move of :func:`reduce_scatter_along` once its collective is complete (``out`` itself for dim 0,
+    else a view of it)."""
+    return out if dim == 0 else out.movedim(0, dim)
 
 
 def reduce_scatter_value(x: Tensor, dim: int, group: Any) -> Tensor:
@@ -226,11 +227,16 @@ class _GatherFromTP(torch.autograd.Function):
         return split_along(grad, -1, ctx.group), None
 
 
+# The sequence-parallel regions' outputs are tensors of their own, never views: the model may write into them in place
+# (Falcon's ``mlp_output += attention_output`` on a row layer's reduce-scattered output), which autograd refuses for a
+# view made inside a Function. A chunk along dim 0 is such a view (cloned); along another dim it was copied already.
+
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, seq_dim):
         ctx.group, ctx.seq_dim = group, seq_dim
-        return split_along(x, seq_dim, group)
+        out = split_along(x, seq_dim, group)
+        return out.clone() if seq_dim == 0 else out
 
     @staticmethod
     def backward(ctx, grad):
@@ -254,7 +260,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, seq_dim):
         ctx.group, ctx.seq_dim = group, seq_dim
-        return reduce_scatter_value(x, seq_dim, group)
+        return reduce_scatter_value(x, seq_dim, group).contiguous()
 
     @staticmethod
     def backward(ctx, grad):

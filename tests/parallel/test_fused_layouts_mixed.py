@@ -4,8 +4,8 @@ into the batch, cut per rank), MPT (blocked ``Wqkv``, ALiBi ``position_bias`` cu
 architecture (interleaved per key/value group) train on 2 gloo ranks under ``precision="bf16-mixed"`` and under
 ``AmpO2Plugin()`` (bf16), each against the same precision in one process; under O2 the checkpoint taken midway
 resumes onto the uninterrupted TP=2 run exactly (losses and weights bit for bit). With sequence parallelism
-(``sequence_dim=1``) BLOOM and MPT pass the same checks under O2; Falcon (both variants) fails at any precision, a
-strict xfail whose reason names the cause and the fix (lightning_amp/parallel/comm.py).
+(``sequence_dim=1``) BLOOM and MPT pass the same checks under O2, and Falcon (both variants, which add into a row
+layer's output in place) under bf16-mixed.
 
 Oracle and bounds (u = 2^-8, bf16's unit roundoff, :func:`support.bounds.unit_roundoff`). Both runs compute the same
 bf16 ops; TP=2 rounds each row layer's partial sums to bf16 before their all-reduce, sums its input gradients across
@@ -40,7 +40,6 @@ import math
 
 import pytest
 import torch
-from torch.multiprocessing import ProcessRaisedException
 
 from lightning_amp import AmpO2Plugin
 from lightning_amp.trainer.strategy import TensorParallelStrategy
@@ -154,34 +153,17 @@ def test_fused_families_tp2_match_one_process_within_bf16_rounding(tmp_path, mon
         assert all(torch.equal(state[key], want[key]) for key in want)
 
 
-class _InPlaceOnReduceScatterView(RuntimeError):
-    """The failure FALCON_SP_REASON names, told apart from any other a rank raises."""
-
-
-FALCON_SP_REASON = (
-    "Falcon adds in place into its MLP's output (`mlp_output += attention_output`, both variants: parallel_attn). "
-    "Under sequence parallelism that output is the row layer's reduce-scatter, _ReduceScatterToSP's output, which "
-    "comm.finish_reduce_scatter returns as a view (`out.movedim(0, dim)`, for every dim, 0 included) of the buffer "
-    "made inside the Function: autograd forbids modifying it in place ('Output 0 of _ReduceScatterToSP is a view and "
-    "is being modified inplace'), at fp32 as well. Fix in lightning_amp/parallel/comm.py: finish_reduce_scatter "
-    "returns `out if dim == 0 else out.movedim(0, dim).contiguous()` (a tensor of its own; tried: fp32 equal to one "
-    "process, bf16-mixed and O2 within the bounds)")
-
-
 @pytest.mark.slow
 @needs_transformers
 @pytest.mark.parametrize("names, precision", [
     pytest.param(("bloom", "mpt"), "O2", id="bloom-mpt-O2"),
-    pytest.param(("falcon_new", "falcon_mq"), "bf16-mixed", id="falcon-bf16-mixed",
-                 marks=pytest.mark.xfail(strict=True, raises=_InPlaceOnReduceScatterView, reason=FALCON_SP_REASON)),
+    pytest.param(("falcon_new", "falcon_mq"), "bf16-mixed", id="falcon-bf16-mixed"),
 ])
 def test_with_sequence_parallel_tp2_match_one_process_within_bf16_rounding(tmp_path, names, precision):
     """The same with sequence parallelism ([batch, seq, hidden]: ``sequence_dim=1``): the ALiBi and key/value cuts
-    with the sequence scattered between the blocks."""
-    try:
-        _, _, figures = _tp2_against_one_process(tmp_path, precision, names, sequence_parallel=True, sequence_dim=1)
-    except ProcessRaisedException as error:  # the known failure only (FALCON_SP_REASON): any other still fails
-        if "Output 0 of _ReduceScatterToSP is a view and is being modified inplace" in str(error):
-            raise _InPlaceOnReduceScatterView from error
-        raise
+    with the sequence scattered between the blocks. Falcon adds into its MLP's output in place (``mlp_output +=
+    attention_output``): under sequence parallelism that is the row layer's reduce-scattered output, which autograd
+    refused to modify while it was a view made inside the Function (``Output 0 of _ReduceScatterToSP is a view and is
+    being modified inplace``, at every precision); the sequence-parallel regions now return tensors of their own."""
+    _, _, figures = _tp2_against_one_process(tmp_path, precision, names, sequence_parallel=True, sequence_dim=1)
     _print(f"{precision}, sequence parallel", figures)
