@@ -338,3 +338,27 @@ def test_tp2_o2_resume_is_exact(tmp_path):
     assert straight[sharded].bfloat16().float().ne(straight[sharded]).any()  # true fp32 values, not bf16 ones
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
+
+
+def test_sequence_parallelism_is_placed_when_the_plan_is_checked_and_the_conversion_reads_it_from_the_plan():
+    """The runs of blocks and each layer's sequence mode are part of the checked plan (printed with it, refused there
+    before anything changes); the conversion takes them from the plan and refuses a plan checked without them."""
+    from lightning_amp.parallel import TensorParallelConfig
+    from lightning_amp.parallel.convert import convert
+    from lightning_amp.parallel.plan import build_plan
+
+    model = Llamaish()
+    plan = build_plan(model, "auto", 1, sequence_parallel=True, sequence_dim=1)
+    assert [(run.container, run.names, run.seq_dim) for run in plan.sequence.runs] == [
+        ("layers", [f"layers.{i}" for i in range(len(model.layers))], 1)]
+    kwargs = plan.sequence.layer_kwargs  # the MLP is a sub-module of the block: gathered at its input
+    assert kwargs["layers.0.mlp.up_proj"] == dict(sequence_parallel=False, sequence_dim=1)
+    assert kwargs["layers.0.mlp.down_proj"] == dict(sequence_parallel=True, sequence_dim=1)
+    assert "sequence parallel:\n    layers: 2 block(s), sequence dim 1 split between them" in plan.format()
+    assert build_plan(model, "auto", 1).sequence is None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="checked without sequence parallelism"):
+        convert(model, build_plan(model, "auto", 1), None, TensorParallelConfig(sequence_parallel=True, sequence_dim=1))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing changed
+    report = convert(model, plan, None, TensorParallelConfig(sequence_parallel=True, sequence_dim=1))
+    assert [row.detail for row in report.sequence] == ["2 block(s), sequence dim 1 split between them"]

@@ -254,3 +254,39 @@ def test_the_reading_knows_nothing_of_the_conversion_and_the_conversion_takes_on
     assert list(inspect.signature(convert.convert).parameters) == ["module", "checked", "group", "config", "layer_kwargs"]
     source = inspect.getsource(convert)
     assert "auto_units" not in source and "reading.structure" not in source and "reading.unsplit" not in source
+
+
+class _Unread(nn.Module):
+    """A model the plan must not go back to: any walk of its modules fails."""
+
+    def named_modules(self, *args, **kwargs):
+        raise AssertionError("the plan went back to the model")
+
+    get_submodule = modules = named_modules
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", ["llama", "bloom"])
+def test_the_plan_is_decided_on_the_model_read_once(name):
+    """``build_plan`` is ``check_plan(read_model(model))``: the auto plan, and an explicit plan of whole units, are
+    decided on the reading alone (its layer table, units, reasons and whole attentions), with the model out of reach;
+    only an explicit plan's own column -> row pairs and sequence parallelism's blocks go back to it."""
+    from lightning_amp.parallel.plan import check_plan
+    from lightning_amp.parallel.reading.model_reading import read_model
+
+    model = _family(name)
+    reading = read_model(model, 2)
+    auto = build_plan(model, "auto", 2)
+    reading.model = _Unread()
+    assert check_plan(reading, "auto") == auto
+    assert check_plan(reading, auto.to_json()) == auto  # the units it names are the reading's: nothing else to read
+    assert reading.model_name == "_Unread"
+
+
+@needs_transformers
+def test_a_vocabulary_head_under_an_unreadable_forward_is_left_whole_for_its_own_reason():
+    """BLOOM's forward cannot be read by torch.fx as a whole (its blocks are, one by one): its ``lm_head``, the only
+    layer of the model outside the blocks, is left whole because nothing pairs with it, and the reason says so."""
+    why = build_plan(_family("bloom"), "auto", 2).whole["lm_head"]
+    assert why.startswith("the only layer of the model outside its sub-modules, so nothing to pair it with (a "
+                          "vocabulary head or a classifier stays whole)"), why

@@ -87,19 +87,24 @@ def find_structural_units(model: nn.Module, claimed: Iterable[str], tp: int, lay
         found.units += _mlps(path, flows, claimed, notes, layers, tp)
     for path, layer in layers.items():
         if layer.projection and path not in claimed:
-            found.whole[path] = layouts.get(path) or notes.get(path) or _unread_reason(path, found.unreadable)
+            found.whole[path] = layouts.get(path) or notes.get(path) or _unread_reason(path, found.unreadable, layers)
     cache: dict = {}  # attentions of one class and attribute values are read once
     found.units += [attention_unit(model, members, out, tp, layers, cache) for members, out in attentions]
     return found
 
 
-def _unread_reason(path: str, unreadable: dict[str, str]) -> str:
+def _unread_reason(path: str, unreadable: dict[str, str], layers: Mapping[str, Layer]) -> str:
+    """Why the projection ``path``, which no reading showed, is left whole."""
     owners = [p for p in unreadable if p == "" or path.startswith(p + ".")]
     if not owners:
         return "no other layer of its module: nothing to pair it with"
     owner = max(owners, key=len)
-    return (f"torch.fx cannot read the forward of {owner or 'the model'} ({unreadable[owner][:120]}) and no known "
-            "layout names it")
+    where, fx_reason = owner or "the model", unreadable[owner][:120]
+    siblings = [p for p, layer in layers.items() if layer.projection and p.rpartition(".")[0] == owner]
+    if siblings == [path]:  # the only layer of the unread module itself: its other layers lie in its sub-modules
+        return (f"the only layer of {where} outside its sub-modules, so nothing to pair it with (a vocabulary head or a "
+                f"classifier stays whole); torch.fx cannot read the forward of {where} ({fx_reason})")
+    return f"torch.fx cannot read the forward of {where} ({fx_reason}) and no known layout names it"
 
 
 def _attentions(base: str, flows: Flows, claimed: set, layouts: dict[str, str]) -> list[tuple[list[str], str]]:
