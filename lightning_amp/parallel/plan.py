@@ -493,7 +493,7 @@ def check_plan(reading: ModelReading, plan: Any, sequence_parallel: bool = False
         _refuse([f"{', '.join(u.members)} ({u.family}): {problem}" for u in units if u.family == "explicit"
                  and (problem := _explicit_flow(reading, u))])
     if sequence_parallel:
-        result.sequence = plan_runs(reading.model, result, sequence_dim)
+        result.sequence = plan_runs(reading.model, result.units, result.decisions, sequence_dim)
     return result
 
 

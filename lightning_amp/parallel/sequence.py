@@ -20,14 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from torch import Tensor, nn
 
 from lightning_amp.parallel import comm
-
-if TYPE_CHECKING:
-    from lightning_amp.parallel.plan import TensorParallelPlan
 
 _TORCH_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
@@ -91,16 +88,15 @@ class SequencePlan:
                 for run in self.runs]
 
 
-def plan_runs(module: nn.Module, plan: "TensorParallelPlan", sequence_dim: Optional[int]) -> SequencePlan:
-    """The :class:`SequencePlan` of ``plan`` (checked for ``module``); ValueError, naming the layers, for a plan that
-    splits nothing, a column layer without a row partner, or a layer outside any block (see the module docstring)."""
-    units = plan.units
+def plan_runs(module: nn.Module, units: list, decisions: dict[str, str], sequence_dim: Optional[int]) -> SequencePlan:
+    """The :class:`SequencePlan` of a plan checked for ``module``: its ``units`` and ``decisions`` (per split layer,
+    "column", "row" or "attention"); ValueError, naming the layers, for a plan that splits nothing, a column layer
+    without a row partner, or a layer outside any block (see the module docstring)."""
     if not units:
         raise ValueError(f"sequence_parallel=True: the plan found no layer of {type(module).__name__} to split")
     lone = [c for u in units if not u.rows for c in u.columns]
     if lone:
         raise ValueError(f"sequence_parallel=True: column layers {lone} have no row-parallel partner")
-    decisions = plan.decisions
     blocks: dict[str, int] = {}
     layer_kwargs: dict[str, dict] = {}
     gathered: list[str] = []
