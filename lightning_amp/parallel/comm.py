@@ -230,6 +230,8 @@ class _GatherFromTP(torch.autograd.Function):
 # The sequence-parallel regions' outputs are tensors of their own, never views: the model may write into them in place
 # (Falcon's ``mlp_output += attention_output`` on a row layer's reduce-scattered output), which autograd refuses for a
 # view made inside a Function. A chunk along dim 0 is such a view (cloned); along another dim it was copied already.
+# Under a trace the reduce-scatter is the functional collective, whose result is its own; a ``contiguous()`` of it
+# there gave wrong values under torch 2.11's aot_eager (every element: tests/parallel/test_tp_compile.py).
 
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
@@ -260,7 +262,8 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, seq_dim):
         ctx.group, ctx.seq_dim = group, seq_dim
-        return reduce_scatter_value(x, seq_dim, group).contiguous()
+        out = reduce_scatter_value(x, seq_dim, group)
+        return out if tracing() else out.contiguous()  # traced: the functional collective's own tensor already
 
     @staticmethod
     def backward(ctx, grad):
