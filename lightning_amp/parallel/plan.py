@@ -463,7 +463,7 @@ def check_plan(reading: ModelReading, plan: Any, sequence_parallel: bool = False
         planned = {m for u in units for m in u.members}
         reasons = given.whole
         whole = {name: reasons.get(name) or "not named by the plan" for name, layer in layers.items()
-                 if layer.kind in ("linear", "conv1d") and name not in planned}
+                 if layer.projection and name not in planned}
     for unit in units:
         if unit.problem:
             problems.append(f"{', '.join(unit.members)} ({unit.family}): {unit.problem}")
@@ -566,11 +566,10 @@ def _unsplit_problems(reading: ModelReading, whole: dict[str, str], unsplit_ok: 
 def _explicit_flow(reading: ModelReading, unit: Unit) -> Optional[str]:
     """Why the data between an explicit unit's columns and rows (one parent) is not theirs to split (a norm over the
     split features: :func:`~lightning_amp.parallel.reading.between.between_problem`, untraced), or None."""
-    parent = unit.columns[0].rpartition(".")[0] if unit.columns and unit.rows else None
-    if parent is None or any(name.rpartition(".")[0] != parent for name in unit.members):
+    if not (unit.columns and unit.rows):
         return None
-    width = reading.layers[unit.columns[0]].out_features
-    return between_problem(reading.model, parent, unit.columns, unit.rows, width, trace=False)
+    return between_problem(reading.model, unit.columns, unit.rows, reading.layers[unit.columns[0]].out_features,
+                           trace=False)
 
 
 def validate_unsplit_ok(globs: Sequence[str]) -> tuple[str, ...]:

@@ -28,13 +28,17 @@ _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalRe
 _NORM_FUNCTIONS = frozenset({F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm})  # (x, normalized_shape, ...)
 
 
-def between_problem(module: nn.Module, parent: str, columns: list[str], rows: list[str], width: int,
+def between_problem(module: nn.Module, columns: list[str], rows: list[str], width: int,
                     trace: bool = True) -> Optional[str]:
-    """Why the split outputs of ``columns`` (paths in ``module``, children of ``parent``, ``width`` output
-    features each) cannot flow into ``rows`` as a shard, or None when everything between acts elementwise.
+    """Why the split outputs of ``columns`` (paths in ``module``, ``width`` output features each) cannot flow into
+    ``rows`` as a shard, or None when everything between acts elementwise (and when they are not all children of one
+    parent: then nothing here can be checked).
     ``trace=False`` (explicit plans: the user vouches for the data flow, which may reshape heads as attention
     does) checks only for a norm over the split width: among the parent's children, or, when fx traces the
     parent, on the data flow (a norm module or ``F.layer_norm``/``F.rms_norm`` call)."""
+    parent = columns[0].rpartition(".")[0]
+    if any(path.rpartition(".")[0] != parent for path in columns + rows):
+        return None
     owner = module.get_submodule(parent) if parent else module
     local = {path.rpartition(".")[2] for path in columns}
     rows_local = {path.rpartition(".")[2] for path in rows}

@@ -70,12 +70,9 @@ def read_model(module: nn.Module, tp: int) -> ModelReading:
     whole = {path: why for path, why in structural.whole.items() if path not in claimed and not path.startswith(inside)}
     for unit in units:
         if unit.problem is None:
-            unit.problem = next((heads.problem(tp) for heads in unit.qkv_heads.values() if heads.problem(tp)), None)
+            unit.problem = next(filter(None, (heads.problem(tp) for heads in unit.qkv_heads.values())), None)
         if unit.problem is None and unit.family in _FREE_FLOW and unit.columns and unit.rows:
-            parent = unit.columns[0].rpartition(".")[0]
-            if all(name.rpartition(".")[0] == parent for name in unit.members):
-                unit.problem = between_problem(module, parent, unit.columns, unit.rows,
-                                               layers[unit.columns[0]].out_features)
+            unit.problem = between_problem(module, unit.columns, unit.rows, layers[unit.columns[0]].out_features)
     problems = {m: u.problem for u in units if u.problem for m in u.members}
     attention_of, attentions = whole_attentions(module, list(whole) + list(problems), problems, claimed)
     return ModelReading(module, tp, layers, units, whole, attention_of, attentions)
