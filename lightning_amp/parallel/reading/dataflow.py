@@ -260,22 +260,26 @@ def read_flows(fg: ForwardGraph, base: str) -> Flows:
         outputs = reach([result], lambda n: data_users(fg, n), stop=lambda n: fg.layer(n) is not None)
         attentions.append(Attention(tuple(next(iter(s)).target for s in streams),
                                     [n.target for n in layer_nodes if n in outputs]))
+    closures = {node: _closure(fg, node) for node in layer_nodes}
+    rows: dict[fx.Node, tuple] = {}  # per row reached: what every column feeding it shares (read once per row)
     flows = {}
     for node in layer_nodes:
-        reached, blockers = _closure(fg, node)
+        reached, blockers = closures[node]
         flow = flows[node.target] = Flow([n.target for n in reached])
         if blockers:
             flow.blocker = _describe(fg, base, blockers[0])
         if blockers or len(reached) != 1:
             continue
         row = reached[0]
-        feeding = sources(fg, row)
-        columns = [n for n in layer_nodes if n in feeding and n is not row]
-        foreign = _foreign_input(fg, row, columns)
-        flow.row, flow.columns = row.target, [c.target for c in columns]
-        flow.clean = all(_closure(fg, c) == ([row], []) for c in columns)
-        flow.foreign = _describe(fg, base, foreign) if foreign is not None else None
-        flow.cuts = {c.target: _cut(fg, c) for c in columns}
+        if row not in rows:
+            feeding = sources(fg, row)
+            columns = [n for n in layer_nodes if n in feeding and n is not row]
+            foreign = _foreign_input(fg, row, columns)
+            rows[row] = ([c.target for c in columns], all(closures[c] == ([row], []) for c in columns),
+                         _describe(fg, base, foreign) if foreign is not None else None,
+                         {c.target: _cut(fg, c) for c in columns})
+        flow.row = row.target
+        flow.columns, flow.clean, flow.foreign, flow.cuts = rows[row]
     return Flows([n.target for n in layer_nodes], attentions, flows)
 
 
